@@ -1,0 +1,92 @@
+"""Graph nodes in a traced function's return value.
+
+A returned node that the call already knew (an input, or reachable from one)
+comes back as the same Python object. A node created inside the call is
+split into its graph definition and array leaves, so the leaves can leave
+the trace (stacked, under ``vmap``) and be merged into a fresh module.
+
+Example:
+  >>> from flax import nnx
+  >>> from brainnx._discovery import discover
+  >>> from brainnx._outputs import split_output
+  >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+  >>> disc = discover(lambda m: m, (model,), {})
+  >>> spec, leaves = split_output((model, 1.0), disc)
+  >>> spec.rebuild(leaves, disc)[0] is model
+  True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+from flax import nnx
+
+from brainnx._discovery import Discovery, is_graph_node
+
+__all__ = ['OutSpec', 'split_output']
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OutSpec:
+  """How to rebuild a return value from its array leaves."""
+
+  treedef: Any  # of the return value, graph nodes kept as leaves
+  slots: tuple[tuple, ...]  # per leaf: ('leaf',) | ('var', i) | ('node', i) | ('obj', x) | ('new', graphdef, treedef, n)
+  has_nodes: bool
+
+  @property
+  def n_leaves(self) -> int:
+    return sum(s[3] if s[0] == 'new' else 1 for s in self.slots if s[0] in ('leaf', 'new'))
+
+  def rebuild(self, leaves: Sequence, disc: Discovery) -> Any:
+    if not self.has_nodes:
+      return jax.tree.unflatten(self.treedef, leaves)
+    it = iter(leaves)
+    out = []
+    for slot in self.slots:
+      kind = slot[0]
+      if kind == 'leaf':
+        out.append(next(it))
+      elif kind == 'var':
+        out.append(disc.variables[slot[1]])
+      elif kind == 'node':
+        out.append(disc.nodes[slot[1]])
+      elif kind == 'obj':
+        out.append(slot[1])
+      else:
+        _, graphdef, state_def, n = slot
+        state = jax.tree.unflatten(state_def, [next(it) for _ in range(n)])
+        out.append(nnx.merge(graphdef, state))
+    return jax.tree.unflatten(self.treedef, out)
+
+  def leaf_axes(self, axis) -> list:
+    """One entry per array leaf: where ``vmap`` puts the batch axis (``axis``)."""
+    return [axis] * self.n_leaves
+
+
+def split_output(out: Any, disc: Discovery, attached: Sequence = ()) -> tuple[OutSpec, list]:
+  """``(spec, leaves)`` for a return value; ``attached`` are new nodes kept as is."""
+  flat, treedef = jax.tree.flatten(out, is_leaf=is_graph_node)
+  attached_ids = {id(x) for x in attached}
+  slots, leaves, has_nodes = [], [], False
+  for x in flat:
+    if not is_graph_node(x):
+      slots.append(('leaf',))
+      leaves.append(x)
+      continue
+    has_nodes = True
+    if isinstance(x, nnx.Variable) and disc.index_of(x) is not None:
+      slots.append(('var', disc.index_of(x)))
+    elif disc.node_index_of(x) is not None:
+      slots.append(('node', disc.node_index_of(x)))
+    elif id(x) in attached_ids:
+      slots.append(('obj', x))
+    else:
+      graphdef, state = nnx.split(x)
+      state_leaves, state_def = jax.tree.flatten(state)
+      slots.append(('new', graphdef, state_def, len(state_leaves)))
+      leaves.extend(state_leaves)
+  return OutSpec(treedef, tuple(slots), has_nodes), leaves

@@ -1,0 +1,54 @@
+"""Small models and comparison helpers shared by the tests."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+class MLP(nnx.Module):
+  def __init__(self, din, dh, dout, *, rngs):
+    self.l1 = nnx.Linear(din, dh, rngs=rngs)
+    self.l2 = nnx.Linear(dh, dout, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l2(jax.nn.relu(self.l1(x)))
+
+
+def mlp_pure(params, x):
+  """The same MLP on a dict of arrays: the oracle."""
+  h = jax.nn.relu(x @ params['l1']['kernel'] + params['l1']['bias'])
+  return h @ params['l2']['kernel'] + params['l2']['bias']
+
+
+def mlp_params(model):
+  return {
+    name: {'kernel': layer.kernel[...], 'bias': layer.bias[...]}
+    for name, layer in (('l1', model.l1), ('l2', model.l2))
+  }
+
+
+def values_of(node):
+  """A snapshot (numpy copies) of every Variable value under ``node``."""
+  return {path: np.asarray(v.get_value()) if not _is_key(v) else np.asarray(jax.random.key_data(v.get_value()))
+          for path, v in nnx.iter_graph(node) if isinstance(v, nnx.Variable)}
+
+
+def _is_key(v):
+  x = v.get_value()
+  return hasattr(x, 'dtype') and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def assert_same_values(before, after):
+  assert before.keys() == after.keys()
+  for k in before:
+    np.testing.assert_array_equal(before[k], after[k], err_msg=str(k))
+
+
+def no_tracers(node):
+  return not any(
+    isinstance(leaf, jax.core.Tracer)
+    for _, v in nnx.iter_graph(node)
+    if isinstance(v, nnx.Variable)
+    for leaf in jax.tree.leaves(v.get_raw_value())
+  )

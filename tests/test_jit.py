@@ -1,0 +1,374 @@
+"""brainnx.jit against the same computation as a pure function under jax.jit."""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import brainnx as bnx
+from helpers import MLP, assert_same_values, mlp_params, mlp_pure, no_tracers, values_of
+
+X = jax.random.normal(jax.random.key(0), (4, 3))
+
+
+class Counting(nnx.Module):
+  def __init__(self, rngs):
+    self.mlp = MLP(3, 5, 2, rngs=rngs)
+    self.calls = nnx.Variable(jnp.array(0))
+    self.total = nnx.BatchStat(jnp.zeros(2))
+
+  def __call__(self, x):
+    self.calls[...] += 1
+    y = self.mlp(x)
+    self.total[...] += y.sum(0)
+    return y
+
+
+def pure_counting(state, x):
+  y = mlp_pure(state['mlp'], x)
+  return {**state, 'calls': state['calls'] + 1, 'total': state['total'] + y.sum(0)}, y
+
+
+def counting_state(m):
+  return {'mlp': mlp_params(m.mlp), 'calls': m.calls[...], 'total': m.total[...]}
+
+
+def test_matches_pure_jit_over_several_calls():
+  model = Counting(nnx.Rngs(0))
+  state = counting_state(model)
+  step = bnx.jit(lambda x: model(x))
+  pure = jax.jit(pure_counting)
+  for k in range(3):
+    y = step(X + k)
+    state, y_ref = pure(state, X + k)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-6)
+  np.testing.assert_allclose(model.total[...], state['total'], rtol=1e-6)
+  assert int(model.calls[...]) == 3
+
+
+def test_module_as_argument_and_as_closure_agree():
+  a, b = Counting(nnx.Rngs(0)), Counting(nnx.Rngs(0))
+  by_arg = bnx.jit(lambda m, x: m(x))
+  by_closure = bnx.jit(lambda x: b(x))
+  np.testing.assert_allclose(by_arg(a, X), by_closure(X))
+  assert_same_values(values_of(a), values_of(b))
+
+
+def test_python_runs_once_per_signature():
+  model = Counting(nnx.Rngs(0))
+  runs = []
+
+  @bnx.jit
+  def f(x):
+    runs.append(x.shape)
+    return model(x)
+
+  f(X), f(X), f(X * 2)
+  assert runs == [(4, 3)]
+  f(jnp.ones((7, 3)))
+  assert runs == [(4, 3), (7, 3)]
+  f(jnp.ones((7, 3), jnp.float16))
+  assert len(runs) == 3
+
+
+def test_retrace_on_static_change_only():
+  runs = []
+
+  @bnx.jit(static_argnames='n')
+  def f(x, n):
+    runs.append(n)
+    return x * n
+
+  assert float(f(jnp.ones(()), n=2)) == 2 and float(f(jnp.ones(()), n=2)) == 2
+  assert float(f(jnp.ones(()), n=3)) == 3
+  assert runs == [2, 3]
+
+
+def test_counter_increments_every_call():
+  count = nnx.Variable(jnp.array(0))
+  inc = bnx.jit(lambda: count.set_value(count[...] + 1))
+  for _ in range(5):
+    inc()
+  assert int(count[...]) == 5
+
+
+def test_shared_variable_written_once_per_call():
+  shared = nnx.Param(jnp.zeros(()))
+  a, b = nnx.Dict(w=shared), nnx.Dict(w=shared)
+
+  @bnx.jit
+  def f(p, q):
+    p['w'][...] += 1
+    q['w'][...] += 1
+
+  f(a, b)
+  assert float(shared[...]) == 2.0 and a['w'] is b['w']
+
+
+def test_rngs_differ_each_call_and_reproduce_by_seed():
+  def draws(seed):
+    rngs = nnx.Rngs(seed)
+    f = bnx.jit(lambda: rngs.normal((3,)))
+    return [f() for _ in range(3)], rngs
+
+  (d0, d1, d2), rngs = draws(0)
+  assert not np.allclose(d0, d1) and not np.allclose(d1, d2)
+  assert int(rngs.default.count[...]) == 3
+  again, _ = draws(0)
+  for a, b in zip((d0, d1, d2), again):
+    np.testing.assert_array_equal(a, b)
+  # same draws as nnx without any transform
+  plain = nnx.Rngs(0)
+  np.testing.assert_allclose(d0, plain.normal((3,)))
+
+
+@pytest.mark.parametrize('case', ['global', 'closure', 'variable', 'submodule', 'shape', 'dtype'])
+def test_cached_trace_stays_valid(case):
+  holder = {}
+  model = MLP(3, 5, 2, rngs=nnx.Rngs(0))
+
+  def make():
+    m = model
+
+    def f(x):
+      return m(x)
+
+    def rebind(new):
+      nonlocal m
+      m = new
+
+    return f, rebind
+
+  fun, rebind = make()
+  if case == 'global':
+    holder_mod = globals()
+    holder_mod['_CASE_MODEL'] = model
+    fun = _global_forward
+  f = bnx.jit(fun)
+  f(X)
+  if case == 'global':
+    new = MLP(3, 5, 2, rngs=nnx.Rngs(1))
+    globals()['_CASE_MODEL'] = new
+    expected = lambda: mlp_pure(mlp_params(new), X)  # noqa: E731
+  elif case == 'closure':
+    new = MLP(3, 5, 2, rngs=nnx.Rngs(1))
+    rebind(new)
+    expected = lambda: mlp_pure(mlp_params(new), X)  # noqa: E731
+  elif case == 'variable':
+    model.l1.bias = nnx.Param(jnp.full((5,), 3.0))
+    expected = lambda: mlp_pure(mlp_params(model), X)  # noqa: E731
+  elif case == 'submodule':
+    model.l2 = nnx.Linear(5, 2, rngs=nnx.Rngs(7))
+    expected = lambda: mlp_pure(mlp_params(model), X)  # noqa: E731
+  elif case == 'shape':
+    model.l2 = nnx.Linear(5, 4, rngs=nnx.Rngs(7))
+    expected = lambda: mlp_pure(mlp_params(model), X)  # noqa: E731
+  else:
+    model.l1.kernel[...] = model.l1.kernel[...]  # keep object
+    model.l1.kernel.set_value(model.l1.kernel[...].astype(jnp.bfloat16))
+    expected = lambda: mlp_pure(mlp_params(model), X)  # noqa: E731
+  np.testing.assert_allclose(f(X), expected(), rtol=2e-2)
+  holder.clear()
+
+
+def _global_forward(x):
+  return _CASE_MODEL(x)
+
+
+_CASE_MODEL = None
+
+
+def test_weak_type_only_change_does_not_rerun_python():
+  count = nnx.Variable(jnp.array(0.0))
+  runs = []
+
+  @bnx.jit
+  def f():
+    runs.append(1)
+    count[...] += 1.0
+
+  f()
+  count.set_value(5.0)  # a weakly typed Python float
+  f()
+  assert len(runs) == 1 and float(count[...]) == 6.0
+
+
+def test_exception_at_trace_time_leaves_state_exact():
+  model = Counting(nnx.Rngs(0))
+  rngs = nnx.Rngs(3)
+  before, rng_before = values_of(model), values_of(rngs)
+
+  @bnx.jit(static_argnums=1)
+  def f(x, fail):
+    model(x)
+    rngs.normal(())
+    if fail:
+      raise ValueError('trace-time failure')
+    return model.calls[...]
+
+  with pytest.raises(ValueError, match='trace-time failure'):
+    f(X, True)
+  assert_same_values(before, values_of(model))
+  assert_same_values(rng_before, values_of(rngs))
+  assert no_tracers(model) and no_tracers(rngs)
+  assert int(f(X, False)) == 1
+
+
+def test_exception_at_run_time_leaves_state_exact():
+  model = Counting(nnx.Rngs(0))
+  before = values_of(model)
+
+  def explode(v):
+    if v > 0:
+      raise RuntimeError('run-time failure')
+
+  @bnx.jit
+  def f(x, trigger):
+    y = model(x)
+    jax.debug.callback(explode, trigger)
+    return y
+
+  with pytest.raises(Exception, match='run-time failure'):
+    jax.block_until_ready(f(X, 1))
+  assert_same_values(before, values_of(model))
+  f(X, 0)
+  assert int(model.calls[...]) == 1
+
+
+def test_variables_created_inside_hold_concrete_arrays():
+  holder = nnx.Dict(w=nnx.Param(jnp.ones(2)))
+
+  @bnx.jit
+  def attach():
+    if 'cache' not in holder:
+      holder['cache'] = nnx.Cache(jnp.zeros(2))
+    holder['cache'][...] += holder['w'][...]
+
+  attach()
+  assert type(holder['cache'].get_raw_value()) is type(jnp.zeros(1))
+  attach()
+  np.testing.assert_array_equal(holder['cache'][...], [2.0, 2.0])
+  made = bnx.jit(lambda: MLP(3, 4, 2, rngs=nnx.Rngs(0)))()
+  ref = MLP(3, 4, 2, rngs=nnx.Rngs(0))
+  assert no_tracers(made)
+  np.testing.assert_allclose(made(X), ref(X), rtol=1e-6)
+
+
+def test_returned_input_node_is_the_same_object():
+  model = MLP(3, 5, 2, rngs=nnx.Rngs(0))
+  out_model, y = bnx.jit(lambda m, x: (m, m(x)))(model, X)
+  assert out_model is model
+  assert bnx.jit(lambda: model.l1.kernel)() is model.l1.kernel
+
+
+def test_write_from_raw_jax_jit_is_refused_clearly():
+  count = nnx.Variable(jnp.array(0))
+  inc = bnx.jit(lambda: count.set_value(count[...] + 1))
+  with pytest.raises(RuntimeError, match=r"Variable at \('count',\).*raw jax.jit"):
+    jax.jit(lambda: inc())()
+  assert int(count[...]) == 0 and no_tracers(count)
+  inc()
+  assert int(count[...]) == 1
+
+
+def test_nested_brainnx_jit_composes():
+  count = nnx.Variable(jnp.array(0))
+  inner = bnx.jit(lambda: count.set_value(count[...] + 1))
+
+  @bnx.jit
+  def outer():
+    inner()
+    inner()
+    return count[...]
+
+  assert int(outer()) == 2 and int(count[...]) == 2
+
+
+def test_static_argument_errors():
+  with pytest.raises(ValueError, match='non-negative'):
+    bnx.jit(lambda x: x, static_argnums=-1)
+  f = bnx.jit(lambda x, opts: x, static_argnums=1)
+  with pytest.raises(TypeError, match='position 1 of type list is not hashable'):
+    f(1.0, [1, 2])
+  g = bnx.jit(lambda x, opts=None: x, static_argnames='opts')
+  with pytest.raises(TypeError, match="'opts' of type dict is not hashable"):
+    g(1.0, opts={})
+  with pytest.raises(TypeError, match='callable'):
+    bnx.jit(5)
+
+
+def test_donated_arguments():
+  f = bnx.jit(lambda buf, x: buf + x, donate_argnums=0)
+  buf = jnp.ones(3)
+  out = f(buf, 1.0)
+  np.testing.assert_array_equal(out, [2.0, 2.0, 2.0])
+  with pytest.raises(ValueError, match='both static and donated'):
+    bnx.jit(lambda a: a, static_argnums=0, donate_argnums=0)
+
+
+def test_lower_and_clear_cache():
+  w = nnx.Param(jnp.ones((3, 2)))
+  runs = []
+
+  @bnx.jit
+  def f(x):
+    runs.append(1)
+    return x @ w[...]
+
+  text = f.lower(X).as_text()
+  assert 'dot_general' in text
+  f(X)
+  f.clear_cache()
+  f(X)
+  assert len(runs) == 2
+  assert isinstance(f.stateful_fun, bnx.StatefulFunction)
+
+
+def test_method_decorated_with_jit():
+  class Acc(nnx.Module):
+    def __init__(self):
+      self.total = nnx.Variable(jnp.zeros(()))
+
+    @bnx.jit
+    def add(self, x):
+      self.total[...] += x
+      return self.total[...]
+
+  acc = Acc()
+  acc.add(1.0)
+  assert float(acc.add(2.0)) == 3.0 and float(acc.total[...]) == 3.0
+
+
+def test_mixed_container_arguments():
+  model = MLP(3, 5, 2, rngs=nnx.Rngs(0))
+  f = bnx.jit(lambda pair: pair[0](pair[1]))
+  np.testing.assert_allclose(f((model, X)), mlp_pure(mlp_params(model), X), rtol=1e-6)
+  np.testing.assert_allclose(f((model, X + 1)), mlp_pure(mlp_params(model), X + 1), rtol=1e-6)
+
+
+def test_threads_call_one_jitted_function():
+  models = [Counting(nnx.Rngs(i)) for i in range(6)]
+  step = bnx.jit(lambda m, x: m(x))
+  step(models[0], X)  # warm
+  refs = [jax.jit(pure_counting)(counting_state(m), X)[1] for m in models]
+  results, errors = {}, []
+
+  def work(i):
+    try:
+      for _ in range(5):
+        results[i] = step(models[i], X)
+    except Exception as e:  # pragma: no cover - reported below
+      errors.append(e)
+
+  threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert not errors
+  for i, m in enumerate(models):
+    np.testing.assert_allclose(results[i], refs[i], rtol=1e-6)
+    assert int(m.calls[...]) == 5 + (i == 0)

@@ -1,0 +1,194 @@
+"""StatefulFunction and make_jaxpr: read/write classification, order, jaxpr shape, cache."""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import brainnx as bnx
+from helpers import MLP, mlp_params, mlp_pure
+
+
+def same(xs, ys):
+  """Identity comparison (Variables compare their values with ==)."""
+  return len(xs) == len(ys) and all(x is y for x, y in zip(xs, ys))
+
+
+def test_read_only_and_written_classification():
+  a = nnx.Param(jnp.ones(3))  # read only
+  b = nnx.BatchStat(jnp.zeros(3))  # read and written
+  c = nnx.Variable(jnp.zeros(3))  # written only
+  d = nnx.Variable(jnp.zeros(3))  # written, then read
+  unused = nnx.Variable(jnp.zeros(3))
+
+  def f(x):
+    b[...] = b[...] + x * a[...]
+    c[...] = x - 1
+    d[...] = x * 2
+    _ = unused.shape  # metadata only: not a read of its value
+    return d[...] + 1
+
+  sf = bnx.StatefulFunction(f)
+  x = jnp.arange(3.0)
+  assert same(sf.get_read_states(x), (a, b))
+  assert same(sf.get_write_states(x), (b, c, d))
+  assert same(sf.get_states(x), (a, b, c, d))
+  assert all(v is not unused for v in sf.get_states(x))
+
+
+def test_states_in_first_touch_order():
+  first, second, third = (nnx.Variable(jnp.zeros(())) for _ in range(3))
+
+  def f():
+    x = third[...] + 1  # touched first, though discovered last
+    first[...] = x  # written second
+    return second[...] + x
+
+  assert same(bnx.StatefulFunction(f).get_states(), (third, first, second))
+
+
+def test_jaxpr_inputs_and_outputs():
+  w = nnx.Param(jnp.ones((2, 3)))
+  s = nnx.BatchStat(jnp.zeros(3))
+
+  def f(x):
+    y = x @ w[...]
+    s[...] += y
+    return y, y.sum()
+
+  x = jnp.ones(2)
+  closed, states = bnx.make_jaxpr(f)(x)
+  assert same(states, (w, s))
+  # inputs: w, s, x; outputs: w, s (all touched, return_only_write=False), y, y.sum()
+  assert [tuple(a.shape) for a in closed.in_avals] == [(2, 3), (3,), (2,)]
+  assert [tuple(a.shape) for a in closed.out_avals] == [(2, 3), (3,), (3,), ()]
+  closed, states, shapes = bnx.make_jaxpr(f, return_only_write=True, return_shape=True)(x)
+  assert [tuple(a.shape) for a in closed.out_avals] == [(3,), (3,), ()]
+  assert shapes[0].shape == (3,) and shapes[1].shape == ()
+
+
+def test_jaxpr_matches_pure_function():
+  model = MLP(3, 5, 2, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (4, 3))
+  sf = bnx.StatefulFunction(lambda x: model(x))
+  new_vals, out = sf.jaxpr_call([v.get_value() for v in sf.get_states(x)], x)
+  np.testing.assert_allclose(out, mlp_pure(mlp_params(model), x), rtol=1e-6)
+  assert len(new_vals) == 4
+
+
+def test_jaxpr_call_is_pure_and_call_writes_back():
+  count = nnx.Variable(jnp.array(0))
+
+  def f(x):
+    count[...] += 1
+    return x + count[...]
+
+  sf = bnx.StatefulFunction(f)
+  (new,), out = sf.jaxpr_call([jnp.array(10)], 1)
+  assert int(new) == 11 and int(out) == 12 and int(count[...]) == 0
+  assert int(sf(1)) == 2 and int(count[...]) == 1
+
+
+def test_make_jaxpr_leaves_no_tracer_and_no_new_attribute():
+  model = nnx.Dict(w=nnx.Param(jnp.ones(2)))
+
+  def f():
+    model['cache'] = nnx.Cache(model['w'][...] * 2)
+    model['w'][...] = model['w'][...] + 1
+
+  bnx.make_jaxpr(f)()
+  assert 'cache' not in model
+  assert isinstance(model['w'].get_raw_value(), jax.Array)
+  np.testing.assert_array_equal(model['w'][...], jnp.ones(2))
+
+
+def test_static_arguments_and_cache_per_signature():
+  calls = []
+
+  def f(x, n):
+    calls.append(n)
+    return x * n
+
+  sf = bnx.StatefulFunction(f, static_argnums=1)
+  sf.make_jaxpr(jnp.ones(2), 2).make_jaxpr(jnp.ones(2), 2)
+  assert calls == [2]
+  sf.make_jaxpr(jnp.ones(2), 3)
+  sf.make_jaxpr(jnp.ones(3), 3)
+  sf.make_jaxpr(jnp.ones(3, jnp.int32), 3)
+  assert calls == [2, 3, 3, 3]
+  stats = sf.get_cache_stats()['jaxpr_cache']
+  assert stats['size'] == 4 and stats['hits'] >= 1
+  sf.clear_cache()
+  assert sf.get_cache_stats()['jaxpr_cache']['size'] == 0
+
+
+def test_weak_type_only_change_does_not_retrace():
+  calls = []
+
+  def f(x):
+    calls.append(1)
+    return x * 2
+
+  sf = bnx.StatefulFunction(f)
+  sf.make_jaxpr(1.0)  # weakly typed float32
+  sf.make_jaxpr(jnp.float32(1.0))  # strongly typed float32
+  assert calls == [1]
+
+
+def test_cache_is_bounded():
+  sf = bnx.StatefulFunction(lambda x: x + 1, cache_size=3)
+  for n in range(1, 8):
+    sf.make_jaxpr(jnp.ones(n))
+  assert sf.get_cache_stats()['jaxpr_cache']['size'] == 3
+
+
+def test_cache_is_thread_safe():
+  w = nnx.Param(jnp.ones(3))
+  sf = bnx.StatefulFunction(lambda x: x.sum() * w[...], cache_size=8)
+  errors = []
+
+  def work(n):
+    try:
+      for k in range(1, 12):
+        jaxpr = sf.get_jaxpr(jnp.ones((n + k) % 5 + 1))
+        assert jaxpr.in_avals[1].shape == ((n + k) % 5 + 1,), jaxpr
+    except Exception as e:  # pragma: no cover - reported below
+      errors.append(e)
+
+  threads = [threading.Thread(target=work, args=(n,)) for n in range(6)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert not errors
+  assert sf.get_cache_stats()['jaxpr_cache']['size'] <= 8
+  assert isinstance(w.get_raw_value(), jax.Array)
+
+
+def test_errors_restore_values_and_trace_levels():
+  w = nnx.Param(jnp.ones(2))
+
+  def f():
+    w[...] = w[...] * 5
+    raise RuntimeError('inside')
+
+  with pytest.raises(RuntimeError, match='inside'):
+    bnx.StatefulFunction(f).make_jaxpr()
+  np.testing.assert_array_equal(w[...], jnp.ones(2))
+  w[...] = jnp.zeros(2)  # still writable at top level
+  assert isinstance(w.get_raw_value(), jax.Array)
+
+
+def test_not_callable():
+  with pytest.raises(TypeError, match='callable'):
+    bnx.StatefulFunction(3)
+
+
+def test_jaxpr_call_checks_state_count():
+  w = nnx.Param(jnp.ones(2))
+  sf = bnx.StatefulFunction(lambda: w[...] * 2)
+  with pytest.raises(ValueError, match='expected 1 state values'):
+    sf.jaxpr_call([])
