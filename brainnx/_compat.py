@@ -92,15 +92,14 @@ def is_batched_here(x, trace) -> bool:
   return (
     isinstance(x, _batching.BatchTracer)
     and x._trace is trace
-    and x.batch_dim is not _batching.not_mapped
+    and x.batch_dim is not None  # jax spells "not mapped" as None
   )
 
 
 def batch_dim_here(x, trace):
   """The batch dimension of ``x`` for the vmap ``trace``, or ``None``."""
   if isinstance(x, _batching.BatchTracer) and x._trace is trace:
-    d = x.batch_dim
-    return None if d is _batching.not_mapped else d
+    return x.batch_dim  # None when not mapped
   return None
 
 

@@ -328,7 +328,10 @@ class _Roots:
     if id(fn) in self._explored:
       return
     self._explored.add(id(fn))
-    if isinstance(fn, functools.partial):
+    if isinstance(fn, (tuple, list)):  # several functions sharing one discovery
+      for f in fn:
+        self.explore(f)
+    elif isinstance(fn, functools.partial):
       names = _param_names(fn.func)
       for i, a in enumerate(fn.args):
         self.add(names[i] if i < len(names) else f'partial{i}', 'partial', a)

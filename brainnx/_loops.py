@@ -1,0 +1,494 @@
+"""Stateful loops: ``scan``, ``for_loop``, ``checkpointed_scan``/``checkpointed_for_loop``,
+``while_loop`` and ``fori_loop``.
+
+The loop body is traced once with the Variables it reaches; Variables it
+writes travel in the loop carry, Variables it only reads enter as constants,
+and the final values are written back after the loop.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> import brainnx as bnx
+  >>> total = nnx.BatchStat(jnp.zeros(()))
+  >>> def step(carry, x):
+  ...   total[...] += x
+  ...   return carry + 1, total[...]
+  >>> carry, ys = bnx.scan(step, 0, jnp.arange(5.0))
+  >>> int(carry), ys.tolist(), float(total[...])
+  (5, [0.0, 1.0, 3.0, 6.0, 10.0], 10.0)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from brainnx import _compat
+from brainnx._arguments import CallArgs
+from brainnx._discovery import discover, is_graph_node
+from brainnx._progress import runner_for
+from brainnx._tracing import LRUCache, trace_call, write_values
+
+__all__ = [
+  'scan', 'for_loop', 'checkpointed_scan', 'checkpointed_for_loop', 'while_loop', 'fori_loop',
+]
+
+
+_COMPILED = LRUCache(64)
+
+
+def eager() -> bool:
+  """True outside any trace (and outside ``jax.disable_jit``): run through ``jit``."""
+  return _compat.at_top_level() and not jax.config.jax_disable_jit
+
+
+def compiled_loop(impl: Callable, f, config: tuple):
+  """A cached ``brainnx.jit`` of ``impl(f, *args, *config)``, discovering from ``f``."""
+  from brainnx._jit import JittedFunction
+
+  key = (impl, f, config)
+  jitted = _COMPILED.get(key)
+  if jitted is None:
+    jitted = JittedFunction(f, (), (), (), {}, traced=lambda *args: impl(f, *args, *config))
+    _COMPILED.set(key, jitted)
+  return jitted
+
+
+def _check_callable(f, name: str) -> None:
+  if not callable(f):
+    raise TypeError(f'{name}: f argument should be a callable, got {type(f).__name__}')
+
+
+def _loop_length(xs, length, name: str) -> int:
+  leaves = jax.tree.leaves(xs)
+  lengths = []
+  for leaf in leaves:
+    shape = jnp.shape(leaf)
+    if not shape:
+      raise ValueError(f'{name} got value with no leading axis to scan over: {leaf!r}')
+    lengths.append(shape[0])
+  if length is not None:
+    length = int(length)
+    if any(n != length for n in lengths):
+      raise ValueError(f'{name} got `length` argument of {length} which disagrees with leading axis sizes {lengths}')
+    return length
+  if len(set(lengths)) > 1:
+    raise ValueError(f'{name} got values with different leading axis sizes: {", ".join(map(str, lengths))}')
+  if not lengths:
+    raise ValueError(f'{name} got no values to scan over and `length` not provided')
+  return lengths[0]
+
+
+def _is_key(x) -> bool:
+  return hasattr(x, 'dtype') and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _strong(x):
+  """``x`` as a strongly typed array (loop carries must keep one type)."""
+  if _is_key(x) or not (hasattr(x, 'dtype') or isinstance(x, (int, float, bool, complex))):
+    return x
+  return jax.lax.convert_element_type(x, jnp.result_type(x))
+
+
+class _Body:
+  """``f(*args)`` traced once, as a pure function of carried and constant values.
+
+  ``written`` Variables (indices into the discovery) travel in the carry;
+  the rest of the touched ones are read from their current values.
+  """
+
+  def __init__(self, f: Callable, args: tuple, name: str, extra_discovery: Callable | None = None):
+    self.name = name
+    self.call = CallArgs.split(args, {})
+    self.disc = discover(extra_discovery or f, args, {})
+    self.values = [_compat.raw_value(v) for v in self.disc.variables]
+    self.trace = trace_call(f, self.disc, self.call, self.values, self.call.dyn, keep_structure=False)
+    if self.trace.new_vars or any(s[0] == 'new' for s in self.trace.out_spec.slots):
+      raise ValueError(
+        f'{name}: the loop body creates Variables or Modules; create them before the loop '
+        '(or use brainnx.vmap_new_states outside it) and only update them inside'
+      )
+
+  @property
+  def written(self) -> tuple[int, ...]:
+    return self.trace.written
+
+  def initial_written(self) -> list:
+    return [jax.tree.map(_strong, self.values[i]) for i in self.written]
+
+  def run(self, carried: list, dyn_leaves: list, trace=None) -> tuple[list, list]:
+    """Evaluate: ``(new written values, output leaves)``, carried values keeping their types."""
+    trace = trace or self.trace
+    pos = {i: k for k, i in enumerate(self.written)}
+    states = [carried[pos[i]] if i in pos else self.values[i] for i in trace.states]
+    outs, _, out_leaves = trace.run(states, dyn_leaves)
+    if trace is not self.trace:
+      return carried, out_leaves
+    return [self._keep_type(o, c, i) for o, c, i in zip(outs, carried, self.written)], out_leaves
+
+  def _keep_type(self, new, old, i):
+    def one(n, o):
+      if jnp.shape(n) != jnp.shape(o):
+        raise ValueError(
+          f'{self.name}: {self.disc.describe(i)} changes shape inside the loop, '
+          f'from {jnp.shape(o)} to {jnp.shape(n)}; loop-carried Variables must keep their shape'
+        )
+      return n if _is_key(n) else jax.lax.convert_element_type(n, jnp.result_type(o))
+
+    return jax.tree.map(one, new, old)
+
+  def write_back(self, final: list) -> None:
+    write_values(self.disc, self.written, final)
+
+
+def _pair_layout(body: _Body, init) -> int:
+  """Number of carry leaves in ``f``'s ``(carry, y)`` output; checks the structure."""
+  spec = body.trace.out_spec
+  markers = jax.tree.unflatten(spec.treedef, list(range(len(spec.slots))))
+  if not (isinstance(markers, tuple) and len(markers) == 2):
+    raise ValueError(f'{body.name}: f must return a pair (carry, y), got {jax.tree.structure(markers)}')
+  carry_struct = jax.tree.structure(init, is_leaf=is_graph_node)
+  if jax.tree.structure(markers[0]) != carry_struct:
+    raise ValueError(
+      f'{body.name}: the carry f returns has structure {jax.tree.structure(markers[0])} but the '
+      f'initial carry has {carry_struct}; they must match'
+    )
+  n_carry_slots = len(jax.tree.leaves(markers[0]))
+  return sum(1 for s in spec.slots[:n_carry_slots] if s[0] == 'leaf')
+
+
+def _dyn_leaves(x) -> list:
+  return [leaf for leaf in jax.tree.leaves(x, is_leaf=is_graph_node) if not is_graph_node(leaf)]
+
+
+def _step_example(xs):
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), xs)
+
+
+def _scan_parts(f, init, xs, name):
+  body = _Body(f, (init, _step_example(xs)), name)
+  n_carry = _pair_layout(body, init)
+  return body, n_carry
+
+
+def _python_scan(f, init, xs, n, reverse, runner):
+  run = runner.bar._open(n) if runner else None
+  carry, ys = init, []
+  order = range(n - 1, -1, -1) if reverse else range(n)
+  for step, i in enumerate(order):
+    carry, y = f(carry, jax.tree.map(lambda a: a[i], xs))
+    ys.append(y)
+    if runner:
+      runner.step_eager(run, step, carry, y)
+  if reverse:
+    ys.reverse()
+  if not ys:
+    raise ValueError('zero-length scan is not supported under jax.disable_jit(): the output type is unknown')
+  return carry, jax.tree.map(lambda *e: jnp.stack(e), *ys)
+
+
+def scan(f: Callable, init: Any, xs: Any, length: int | None = None, reverse: bool = False, unroll: int | bool = 1, pbar=None):
+  """``jax.lax.scan`` for a body that reads and writes Variables.
+
+  ``f(carry, x) -> (carry, y)``; Variables it writes are carried from step
+  to step and hold their final values afterwards. ``pbar`` is a
+  :class:`ProgressBar` or an int update frequency.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import brainnx as bnx
+    >>> bnx.scan(lambda c, x: (c + x, c + x), 0, jnp.arange(5), reverse=True)[1].tolist()
+    [10, 10, 9, 7, 4]
+  """
+  _check_callable(f, 'scan')
+  if eager():
+    return compiled_loop(_scan_impl, f, (length, reverse, unroll, pbar))(init, xs)
+  return _scan_impl(f, init, xs, length, reverse, unroll, pbar)
+
+
+def _scan_impl(f, init, xs, length, reverse, unroll, pbar):
+  n = _loop_length(xs, length, 'scan')
+  runner = runner_for(pbar, n)
+  if jax.config.jax_disable_jit:
+    return _python_scan(f, init, xs, n, reverse, runner)
+  body, n_carry = _scan_parts(f, init, xs, 'scan')
+
+  def step(carry, x_leaves):
+    written, leaves, counter = carry
+    written, out = body.run(written, leaves + x_leaves)
+    new_leaves, y = out[:n_carry], out[n_carry:]
+    if runner:
+      run, i = counter
+      runner.step(run, i, _rebuild_part(body, out, 0), _rebuild_part(body, out, 1))
+      counter = (run, i + 1)
+    return (written, new_leaves, counter), y
+
+  counter = (runner.start(), jnp.int32(0)) if runner else None
+  (written, leaves, _), ys = jax.lax.scan(
+    step, (body.initial_written(), _dyn_leaves(init), counter), _dyn_leaves(xs), length=n, reverse=reverse, unroll=unroll
+  )
+  body.write_back(written)
+  return body.trace.out_spec.rebuild(list(leaves) + list(ys), body.disc)
+
+
+def _rebuild_part(body: _Body, leaves, which: int):
+  """The carry (0) or y (1) part of a step's output, for progress messages."""
+  try:
+    return body.trace.out_spec.rebuild(list(leaves), body.disc)[which]
+  except Exception:
+    return None
+
+
+def _for_body(f):
+  def step(carry, x):
+    return carry, f(*x)
+
+  step.__wrapped__ = f
+  return step
+
+
+def for_loop(f: Callable, *xs, length: int | None = None, reverse: bool = False, unroll: int | bool = 1, pbar=None):
+  """Apply ``f(*x)`` over the leading axis of ``xs``; returns the stacked outputs.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import brainnx as bnx
+    >>> bnx.for_loop(lambda a, b: a * b, jnp.arange(3), jnp.arange(3)).tolist()
+    [0, 1, 4]
+  """
+  _check_callable(f, 'for_loop')
+  if eager():
+    return compiled_loop(_for_impl, f, (length, reverse, unroll, pbar))(*xs)
+  return _for_impl(f, *xs, length, reverse, unroll, pbar)
+
+
+def _for_impl(f, *args):
+  *xs, length, reverse, unroll, pbar = args
+  return _scan_impl(_for_body(f), None, tuple(xs), length, reverse, unroll, pbar)[1]
+
+
+# -- checkpointed loops -------------------------------------------------------------
+
+
+def _check_base(base) -> int:
+  if isinstance(base, bool) or not isinstance(base, int) or base < 2:
+    raise ValueError(f'checkpointed loops need an int base >= 2, got {base!r}')
+  return base
+
+
+def _levels(length: int, base: int) -> int:
+  k, span = 1, base
+  while span < length:
+    k, span = k + 1, span * base
+  return k
+
+
+def _nested_scan(step, carry, xs_leaves, length: int, base: int):
+  """``lax.scan(step, carry, xs)`` with reverse-mode memory O(base * log_base(length)) steps.
+
+  Nested ``lax.scan`` levels of ``base`` steps each (the outermost one just
+  long enough), every level but the innermost under ``jax.checkpoint``; steps
+  past ``length`` (padding) are skipped by ``lax.cond``.
+  """
+  k = _levels(length, base)
+  if k == 1:
+    return jax.lax.scan(step, carry, xs_leaves, length=length)
+  inner = base ** (k - 1)
+  n_outer = -(-length // inner)
+  padded = n_outer * inner
+  shape = (n_outer,) + (base,) * (k - 1)
+
+  def pad(x):
+    x = jnp.concatenate([x, jnp.zeros((padded - length,) + x.shape[1:], x.dtype)]) if padded > length else x
+    return x.reshape(shape + x.shape[1:])
+
+  def block(depth):
+    if depth == 1:
+      return lambda c, xb: jax.lax.scan(step, c, xb)
+    below = jax.checkpoint(block(depth - 1), prevent_cse=False)
+    return lambda c, xb: jax.lax.scan(below, c, xb)
+
+  top = jax.checkpoint(block(k - 1), prevent_cse=False)
+  carry, ys = jax.lax.scan(top, carry, [pad(x) for x in xs_leaves], length=n_outer)
+  ys = [y.reshape((padded,) + y.shape[k:])[:length] for y in ys]
+  return carry, ys
+
+
+def checkpointed_scan(f: Callable, init: Any, xs: Any, length: int | None = None, base: int = 16, pbar=None):
+  """``scan`` with the same values and gradients, and reverse-mode memory that
+  grows like O(base * log_base(length)) steps instead of O(length).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import brainnx as bnx
+    >>> def total(w):
+    ...   return bnx.checkpointed_scan(lambda c, x: (jnp.tanh(c * w + x), c), 0.0, jnp.ones(100), base=4)[0]
+    >>> bool(jnp.allclose(jax.grad(total)(0.5), jax.grad(lambda w: bnx.scan(
+    ...     lambda c, x: (jnp.tanh(c * w + x), c), 0.0, jnp.ones(100))[0])(0.5)))
+    True
+  """
+  _check_callable(f, 'checkpointed_scan')
+  base = _check_base(base)
+  if eager():
+    return compiled_loop(_checkpointed_impl, f, (length, base, pbar))(init, xs)
+  return _checkpointed_impl(f, init, xs, length, base, pbar)
+
+
+def _checkpointed_impl(f, init, xs, length, base, pbar):
+  n = _loop_length(xs, length, 'checkpointed_scan')
+  if n == 0:
+    raise ValueError('checkpointed_scan: zero-length loops are not supported')
+  runner = runner_for(pbar, n)
+  if jax.config.jax_disable_jit:
+    return _python_scan(f, init, xs, n, False, runner)
+  body, n_carry = _scan_parts(f, init, xs, 'checkpointed_scan')
+  y_shapes = [s for s in jax.tree.leaves(body.trace.out_shapes)][n_carry:]
+
+  def step(carry, x_leaves):
+    written, leaves, (run, i) = carry
+
+    def real(operands):
+      written, leaves = operands
+      new_written, out = body.run(written, leaves + x_leaves)
+      if runner:
+        runner.step(run, i, _rebuild_part(body, out, 0), _rebuild_part(body, out, 1))
+      return new_written, out[:n_carry], out[n_carry:]
+
+    def skip(operands):
+      written, leaves = operands
+      return written, leaves, [jnp.zeros(s.shape, s.dtype) for s in y_shapes]
+
+    written, leaves, y = jax.lax.cond(i < n, real, skip, (written, leaves))
+    return (written, leaves, (run, i + 1)), y
+
+  run = runner.start() if runner else jnp.int32(0)
+  init_carry = (body.initial_written(), _dyn_leaves(init), (run, jnp.int32(0)))
+  (written, leaves, _), ys = _nested_scan(step, init_carry, _dyn_leaves(xs), n, base)
+  body.write_back(written)
+  return body.trace.out_spec.rebuild(list(leaves) + list(ys), body.disc)
+
+
+def checkpointed_for_loop(f: Callable, *xs, length: int | None = None, base: int = 16, pbar=None):
+  """``for_loop`` with the memory profile of :func:`checkpointed_scan`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import brainnx as bnx
+    >>> bnx.checkpointed_for_loop(lambda x: x * 2, jnp.arange(5), base=2).tolist()
+    [0, 2, 4, 6, 8]
+  """
+  _check_callable(f, 'checkpointed_for_loop')
+  base = _check_base(base)
+  if eager():
+    return compiled_loop(_checkpointed_for_impl, f, (length, base, pbar))(*xs)
+  return _checkpointed_for_impl(f, *xs, length, base, pbar)
+
+
+def _checkpointed_for_impl(f, *args):
+  *xs, length, base, pbar = args
+  return _checkpointed_impl(_for_body(f), None, tuple(xs), length, base, pbar)[1]
+
+
+# -- while and fori ---------------------------------------------------------------
+
+
+def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any):
+  """``jax.lax.while_loop`` whose body may write Variables (``cond_fun`` may only read).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import brainnx as bnx
+    >>> steps = nnx.Variable(jnp.array(0))
+    >>> def body(x):
+    ...   steps[...] += 1
+    ...   return x * 2
+    >>> float(bnx.while_loop(lambda x: x < 100, body, 1.0)), int(steps[...])
+    (128.0, 7)
+  """
+  _check_callable(cond_fun, 'while_loop cond_fun')
+  _check_callable(body_fun, 'while_loop body_fun')
+  if eager():
+    return compiled_loop(_while_impl, (cond_fun, body_fun), ())(init_val)
+  return _while_impl((cond_fun, body_fun), init_val)
+
+
+def _while_impl(funs, init_val):
+  cond_fun, body_fun = funs
+  if jax.config.jax_disable_jit:
+    val = init_val
+    while cond_fun(val):
+      val = body_fun(val)
+    return val
+
+  body = _Body(body_fun, (init_val,), 'while_loop', extra_discovery=(cond_fun, body_fun))
+  cond = trace_call(cond_fun, body.disc, body.call, body.values, body.call.dyn, keep_structure=False)
+  if cond.written:
+    names = ', '.join(body.disc.describe(i) for i in cond.written)
+    raise ValueError(f'while_loop: cond_fun writes {names}; cond_fun may only read Variables')
+  shapes = jax.tree.leaves(cond.out_shapes)
+  if len(shapes) != 1 or shapes[0].shape != () or shapes[0].dtype != jnp.bool_:
+    raise TypeError(f'while_loop: cond_fun must return a boolean scalar, got {cond.out_shapes}')
+  init_struct = jax.tree.structure(init_val, is_leaf=is_graph_node)
+  out_markers = jax.tree.unflatten(body.trace.out_spec.treedef, list(range(len(body.trace.out_spec.slots))))
+  if jax.tree.structure(out_markers) != init_struct:
+    raise ValueError(f'while_loop: body_fun must return the structure of init_val ({init_struct})')
+
+  def cond_w(carry):
+    written, leaves = carry
+    return body.run(written, leaves, trace=cond)[1][0]
+
+  def body_w(carry):
+    written, leaves = carry
+    return body.run(written, leaves)
+
+  written, leaves = jax.lax.while_loop(cond_w, body_w, (body.initial_written(), _dyn_leaves(init_val)))
+  body.write_back(written)
+  return body.trace.out_spec.rebuild(list(leaves), body.disc)
+
+
+def fori_loop(lower, upper, body_fun: Callable, init_val: Any, pbar=None):
+  """``jax.lax.fori_loop`` whose body may write Variables.
+
+  With concrete bounds it runs as a ``scan`` (reverse-differentiable, and
+  ``pbar`` works); with traced bounds as a ``while_loop``.
+
+  Example:
+    >>> import brainnx as bnx
+    >>> int(bnx.fori_loop(0, 5, lambda i, total: total + i, 0))
+    10
+  """
+  _check_callable(body_fun, 'fori_loop')
+  try:
+    lo, hi = int(lower), int(upper)
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    if pbar is not None:
+      raise ValueError('fori_loop: a progress bar needs concrete (Python int) bounds') from None
+    return _fori_while(lower, upper, body_fun, init_val)
+  if eager():
+    return compiled_loop(_fori_impl, body_fun, (lo, hi, pbar))(init_val)
+  return _fori_impl(body_fun, init_val, lo, hi, pbar)
+
+
+def _fori_impl(body_fun, init_val, lo, hi, pbar):
+  def step(carry, i):
+    return body_fun(i, carry), None
+
+  step.__wrapped__ = body_fun
+  if hi <= lo:
+    return init_val
+  return _scan_impl(step, init_val, jnp.arange(lo, hi), None, False, 1, pbar)[0]
+
+
+def _fori_while(lower, upper, body_fun, init_val):
+  def cond(c):
+    return c[0] < upper
+
+  def body(c):
+    return c[0] + 1, body_fun(c[0], c[1])
+
+  body.__wrapped__ = body_fun
+  return _while_impl((cond, body), (jnp.asarray(lower), init_val))[1]

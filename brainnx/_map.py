@@ -1,0 +1,79 @@
+"""``map``: a function over the leading axis, sequentially or in ``vmap`` chunks.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> import brainnx as bnx
+  >>> bnx.map(lambda row: row.sum(), jnp.arange(12.0).reshape(6, 2), batch_size=4).tolist()
+  [1.0, 5.0, 9.0, 13.0, 17.0, 21.0]
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from brainnx._loops import _Body, _check_callable, _step_example, compiled_loop, eager, for_loop, scan
+from brainnx._mapping import vmap
+
+__all__ = ['map']
+
+
+def _length(xs) -> int:
+  leaves = jax.tree.leaves(xs)
+  if not leaves:
+    raise ValueError('map: no inputs to map over')
+  lengths = []
+  for leaf in leaves:
+    shape = jnp.shape(leaf)
+    if not shape:
+      raise ValueError(f'map: inputs need a leading axis to map over, got a scalar {leaf!r}')
+    lengths.append(shape[0])
+  if len(set(lengths)) > 1:
+    raise ValueError(f'map: inputs have different leading sizes {lengths}')
+  return lengths[0]
+
+
+def map(f: Callable, *xs, batch_size: int | None = None):  # noqa: A001 - brainstate's name
+  """Apply ``f`` to every slice of ``xs`` along the leading axis; outputs stacked.
+
+  Without ``batch_size`` this is a sequential loop (``f`` may write
+  Variables). With ``batch_size`` it runs ``vmap(f)`` over chunks of that
+  size (then the remainder), trading memory for speed; ``f`` may then only
+  write RNG state (each element draws its own keys).
+  """
+  _check_callable(f, 'map')
+  if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0):
+    raise ValueError(f'map: batch_size must be a positive int, got {batch_size!r}')
+  if eager():
+    return compiled_loop(_map_impl, f, (batch_size,))(*xs)
+  return _map_impl(f, *xs, batch_size)
+
+
+def _map_impl(f, *args):
+  *xs, batch_size = args
+  n = _length(xs)
+  if batch_size is None:
+    return for_loop(f, *xs)
+  body = _Body(lambda c, x: (c, f(*x)), (None, _step_example(xs)), 'map', extra_discovery=f)
+  written = [i for i in body.written if not isinstance(body.disc.variables[i], nnx.RngState)]
+  if written:
+    names = ', '.join(body.disc.describe(i) for i in written)
+    raise ValueError(
+      f'map: with batch_size, f runs under vmap and may not write {names}; '
+      'drop batch_size for a sequential map, or return the values instead'
+    )
+  full, rest = divmod(n, batch_size)
+  mapped = vmap(f)
+  outs = []
+  if full:
+    chunks = jax.tree.map(lambda x: x[: full * batch_size].reshape((full, batch_size) + x.shape[1:]), xs)
+    _, ys = scan(lambda c, chunk: (c, mapped(*chunk)), None, chunks)
+    outs.append(jax.tree.map(lambda y: y.reshape((full * batch_size,) + y.shape[2:]), ys))
+  if rest:
+    outs.append(mapped(*jax.tree.map(lambda x: x[full * batch_size :], xs)))
+  if len(outs) == 1:
+    return outs[0]
+  return jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *outs)

@@ -1,0 +1,558 @@
+"""State-aware ``vmap`` and ``vmap_new_states``.
+
+A mapped call discovers the Variables ``fn`` can reach, gives each an in-axis
+(``state_in_axes`` first, then the ``in_axes`` of the argument it came
+through, else broadcast), splits every unmatched RNG stream into one key per
+element, runs ``jax.vmap`` with the values swapped in, and writes results
+back by the out-axis rules of ``API.md``. Outside any trace the whole thing
+runs through ``brainnx.jit``, so warm eager calls replay a compiled program.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> import brainnx as bnx
+  >>> scale = nnx.Param(jnp.arange(3.0))       # one scale per element
+  >>> calls = nnx.Variable(jnp.array(0))
+  >>> @bnx.vmap(state_in_axes={0: nnx.Param})
+  ... def f(x):
+  ...   calls[...] += 1                          # unbatched: written once
+  ...   return x * scale[...]
+  >>> f(jnp.ones(3)), int(calls[...])
+  (Array([0., 1., 2.], dtype=float32), 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from typing import Any, Callable, Hashable
+
+import jax
+import jax.numpy as jnp
+
+from brainnx import _compat
+from brainnx._arguments import CallArgs
+from brainnx._discovery import Discovery, discover, is_graph_node, walk_new
+from brainnx._filters import AxisRules, BatchAxisError, describe
+from brainnx._jit import JittedFunction
+from brainnx._outputs import split_output
+from brainnx._rng import advanced_count, split_per_element
+from brainnx._tracing import adopt_new, swapped, write_values
+
+__all__ = ['vmap', 'vmap_new_states', 'MappedFunction', 'MapConfig']
+
+_POLICIES = ('raise', 'warn', 'ignore')
+
+
+@dataclasses.dataclass(frozen=True)
+class MapConfig:
+  """Everything a mapping transform was configured with."""
+
+  fn: Callable
+  in_axes: Any = 0
+  out_axes: Any = 0
+  axis_name: Hashable | None = None
+  axis_size: int | None = None
+  spmd_axis_name: Any = None
+  state_in: AxisRules = dataclasses.field(default_factory=lambda: AxisRules(None, 'state_in_axes'))
+  state_out: AxisRules = dataclasses.field(default_factory=lambda: AxisRules(None, 'state_out_axes'))
+  policy: str = 'raise'
+  new_states: bool = False  # vmap_new_states: Variables created inside come out batched
+  state_tag: str | None = None
+  state_to_exclude: Any = None
+  mapper: str = 'vmap'  # or 'pmap'
+  pmap_kwargs: tuple = ()
+  static_argnums: tuple = ()  # pmap's static_broadcasted_argnums
+
+
+class MappedFunction:
+  """The callable ``vmap`` / ``pmap`` / ``vmap_new_states`` return."""
+
+  def __init__(self, config: MapConfig):
+    self.config = config
+    functools.update_wrapper(self, config.fn, updated=())
+    self.__wrapped__ = config.fn
+    self._jitted = JittedFunction(config.fn, (), (), (), {}, traced=self._traced)
+
+  def _traced(self, *args, **kwargs):
+    return mapped_call(self.config, args, kwargs)
+
+  def __call__(self, *args, **kwargs):
+    if _compat.at_top_level():
+      return self._jitted(*args, **kwargs)
+    return mapped_call(self.config, args, kwargs)
+
+  def __repr__(self) -> str:
+    return f'brainnx.{self.config.mapper}({getattr(self.config.fn, "__name__", self.config.fn)!r})'
+
+
+# -- axes of arguments ---------------------------------------------------------------
+
+
+def _positional_axes(in_axes, n_args: int) -> list:
+  if isinstance(in_axes, list):
+    in_axes = tuple(in_axes)
+  if isinstance(in_axes, tuple):
+    if len(in_axes) != n_args:
+      raise ValueError(
+        f'vmap in_axes is a tuple of length {len(in_axes)} but the function got {n_args} '
+        'positional arguments: give one entry per positional argument'
+      )
+    return list(in_axes)
+  if in_axes is not None and (not isinstance(in_axes, int) or isinstance(in_axes, bool)):
+    raise TypeError(f'vmap in_axes must be an int, None or a tuple, got {in_axes!r}')
+  return [in_axes] * n_args
+
+
+def _axis_at(spec, keys: tuple, where: str):
+  """The int/None axis a (possibly nested) axis spec gives at ``keys``."""
+  for key in keys:
+    if spec is None or isinstance(spec, int):
+      return spec
+    if isinstance(spec, (list, tuple)) and isinstance(key, int) and key < len(spec):
+      spec = spec[key]
+    elif isinstance(spec, dict) and key in spec:
+      spec = spec[key]
+    else:
+      raise ValueError(f'vmap in_axes for {where} has no entry for {key!r}')
+  if spec is not None and (not isinstance(spec, int) or isinstance(spec, bool)):
+    raise TypeError(f'vmap in_axes for {where} must give an int or None here, got {spec!r}')
+  return spec
+
+
+def _leaf_axes(spec, value, where: str) -> list:
+  """One axis per leaf of ``value`` (graph nodes kept as leaves)."""
+  leaves = jax.tree_util.tree_flatten_with_path(value, is_leaf=is_graph_node)[0]
+  return [_axis_at(spec, tuple(_key(k) for k in path), where) for path, _ in leaves]
+
+
+def _key(k):
+  for attr in ('idx', 'key', 'name'):
+    if hasattr(k, attr):
+      return getattr(k, attr)
+  return k
+
+
+def _normalized(axis: int, ndim: int) -> int | None:
+  return axis + ndim if -ndim <= axis < 0 else (axis if 0 <= axis < ndim else None)
+
+
+# -- the mapped call ----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Layout:
+  """In-axes of every discovered Variable and dynamic argument, and the batch size."""
+
+  state_axes: list
+  split_streams: list  # (key index, count index)
+  dyn_axes: tuple
+  size: int
+
+
+def _layout(cfg: MapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs: dict) -> _Layout:
+  arg_axes = _positional_axes(cfg.in_axes, len(args))
+  values = [_compat.raw_value(v) for v in disc.variables]
+  axes, sources, matched = [], [], []
+  for i, (path, var) in enumerate(zip(disc.paths, disc.variables)):
+    hit, axis = cfg.state_in.axis_of(path, var)
+    source = 'state_in_axes'
+    if not hit:
+      root = disc.roots[disc.root_of[i]]
+      if root.kind == 'arg':
+        axis, source = _axis_at(arg_axes[root.name], path[1:], f'argument {root.name}'), f'in_axes of argument {root.name}'
+      elif root.kind == 'kwarg':
+        axis, source = 0, f'keyword argument {root.name!r}'
+      else:
+        axis = None
+    axes.append(axis)
+    sources.append(source)
+    matched.append(hit)
+
+  split = []
+  for k, c in disc.streams:
+    if matched[k]:
+      continue
+    key = values[k]
+    if axes[k] is not None and getattr(key, 'ndim', 0) > 0:
+      continue  # a stacked stream coming in through a mapped argument: used as given
+    split.append((k, c))
+    axes[k] = 0
+    if not matched[c]:
+      axes[c] = None
+
+  sizes = []
+  split_keys = {k for k, _ in split}
+  for i, axis in enumerate(axes):
+    if axis is None or i in split_keys:
+      continue
+    for leaf in jax.tree.leaves(values[i]):
+      shape = jnp.shape(leaf)
+      norm = _normalized(axis, len(shape))
+      if norm is None:
+        raise ValueError(
+          f'{cfg.mapper}: {disc.describe(i)} is mapped on axis {axis} ({sources[i]}) but its value '
+          f'has shape {tuple(shape)}: map it on an axis it has, or broadcast it with state_in_axes={{None: ...}}'
+        )
+      axes[i] = norm
+      sizes.append((shape[norm], disc.describe(i)))
+
+  for i, (path, var) in enumerate(zip(disc.paths, disc.variables)):
+    hit, out_axis = cfg.state_out.axis_of(path, var)
+    if hit and out_axis is not None and axes[i] is not None and i not in split_keys:
+      ndim = max((jnp.ndim(x) for x in jax.tree.leaves(values[i])), default=0)
+      if _normalized(out_axis, ndim) != axes[i]:
+        raise BatchAxisError(
+          f'{cfg.mapper}: {disc.describe(i)} is mapped in on axis {axes[i]} ({sources[i]}) but '
+          f'state_out_axes declares axis {out_axis}: use the same axis for both'
+        )
+
+  dyn_axes = []
+  slot_axes = list(arg_axes) + [0] * len(kwargs)
+  names = [f'argument {i}' for i in range(len(args))] + [f'keyword argument {k!r}' for k in kwargs]
+  for slot, kind in enumerate(call.kinds):
+    if kind not in ('dyn', 'mixed'):
+      continue
+    value = (list(args) + list(kwargs.values()))[slot]
+    leaf_axes = _leaf_axes(slot_axes[slot], value, names[slot])
+    leaves = jax.tree.leaves(value, is_leaf=is_graph_node)
+    for leaf, axis in zip(leaves, leaf_axes):
+      if axis is None or is_graph_node(leaf):
+        continue
+      shape = jnp.shape(leaf)
+      if not shape:
+        raise ValueError(
+          f'{cfg.mapper}: {names[slot]} is a scalar but in_axes maps it on axis {axis}; '
+          'pass in_axes=None for it or give it a leading batch axis'
+        )
+      norm = _normalized(axis, len(shape))
+      if norm is None:
+        raise ValueError(f'{cfg.mapper}: {names[slot]} has shape {tuple(shape)}, no axis {axis} to map over')
+      sizes.append((shape[norm], names[slot]))
+    if kind == 'dyn':
+      dyn_axes.append(slot_axes[slot])
+    else:
+      dyn_axes.extend(a for a, leaf in zip(leaf_axes, leaves) if not is_graph_node(leaf))
+
+  if cfg.axis_size is not None:
+    sizes.append((cfg.axis_size, 'axis_size'))
+  distinct = sorted({s for s, _ in sizes})
+  if not sizes:
+    raise ValueError(
+      f'{cfg.mapper}: nothing is mapped (no argument or Variable has a batch axis) and no '
+      'axis_size was given: pass axis_size=N, or map an input'
+    )
+  if len(distinct) > 1:
+    listing = ', '.join(f'{where}: {s}' for s, where in sizes)
+    raise ValueError(f'{cfg.mapper}: inconsistent batch sizes {distinct} ({listing})')
+  return _Layout(axes, split, tuple(dyn_axes), distinct[0])
+
+
+def _decide(cfg: MapConfig, disc: Discovery, i: int, in_axis, batched: bool):
+  """Where a written Variable's new value goes: an int axis, or ``'once'``."""
+  path, var = disc.paths[i], disc.variables[i]
+  hit, out_axis = cfg.state_out.axis_of(path, var)
+  if hit:
+    if out_axis is None:
+      if batched:
+        raise BatchAxisError(
+          f'{cfg.mapper}: {describe(path, var)} is declared state_out_axes=None (one value for the '
+          'whole batch) but its new value differs per batch element: declare a batch axis for it, '
+          'e.g. state_out_axes={0: <its filter>}'
+        )
+      return 'once'
+    return out_axis
+  if in_axis is not None:
+    return in_axis
+  if not batched:
+    return 'once'
+  message = (
+    f'{cfg.mapper}: {describe(path, var)} is broadcast into the mapped call (no batch axis) but its '
+    'new value differs per batch element. Say where the batch axis goes: '
+    'state_out_axes={0: <its filter>} (or map it in with state_in_axes), or pass '
+    "unexpected_out_state_mapping='warn' or 'ignore' to stack it on axis 0"
+  )
+  if cfg.policy == 'raise':
+    raise BatchAxisError(message)
+  if cfg.policy == 'warn':
+    warnings.warn(message, UserWarning, stacklevel=4)
+  return 0
+
+
+def _place(value, axis):
+  """Move the batch axis (0) of every leaf to ``axis``, or keep one copy (``'once'``)."""
+  if axis == 'once':
+    return jax.tree.map(lambda x: x[0], value)
+  if axis == 0:
+    return value
+  return jax.tree.map(lambda x: jnp.moveaxis(x, 0, axis), value)
+
+
+def _out_leaf_axes(out_axes, spec) -> list:
+  markers = jax.tree.unflatten(spec.treedef, list(range(spec.treedef.num_leaves)))
+  flat = jax.tree_util.tree_flatten_with_path(markers)[0]
+  axes = []
+  for (path, _), slot in zip(flat, spec.slots):
+    axis = _axis_at(out_axes, tuple(_key(k) for k in path), 'out_axes')
+    if slot[0] == 'leaf':
+      axes.append(axis)
+    elif slot[0] == 'new':
+      axes.extend([axis] * slot[3])
+  return axes
+
+
+def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
+  """One mapped call inside the current trace (see module docstring)."""
+  call = CallArgs.split(args, kwargs, cfg.static_argnums)
+  disc = discover(cfg.fn, args, kwargs)
+  layout = _layout(cfg, disc, call, args, kwargs)
+  values = [_compat.raw_value(v) for v in disc.variables]
+  state_in = list(values)
+  for k, c in layout.split_streams:
+    state_in[k] = split_per_element(values[k], values[c], layout.size)
+  stream_vars = {i for pair in layout.split_streams for i in pair}
+  exclude = AxisRules(cfg.state_to_exclude, 'state_to_exclude') if cfg.state_to_exclude is not None else None
+  side: dict = {}
+
+  def body(states, dyn):
+    trace = _compat.current_trace()
+    with swapped(disc, states):
+      call_args, call_kwargs = call.rebuild(dyn, call.nodes)
+      out = cfg.fn(*call_args, **call_kwargs)
+      now = [_compat.raw_value(v) for v in disc.variables]
+      new_vars, new_nodes = walk_new(disc.nodes, disc)
+      side['new_vars'], side['new_nodes'] = new_vars, new_nodes
+      out_spec, out_leaves = split_output(out, disc, new_nodes)
+      written = [i for i, (a, b) in enumerate(zip(now, states)) if a is not b and i not in stream_vars]
+      new_values = [_compat.raw_value(v) for v in new_vars]
+      if 'decided' in side:  # pmap: decisions come from the abstract vmap pass
+        if side['decided']['written'] != written:
+          raise RuntimeError(f'{cfg.mapper}: the function wrote different Variables on its second trace')
+      else:
+        batched = lambda x: any(_compat.is_batched_here(leaf, trace) for leaf in jax.tree.leaves(x))  # noqa: E731
+        out_axes = _out_leaf_axes(cfg.out_axes, out_spec)
+        for leaf, axis in zip(out_leaves, out_axes):
+          if axis is None and batched(leaf):
+            raise ValueError(f'{cfg.mapper}: an output has out_axes=None but depends on the batch')
+        side['decided'] = dict(
+          written=written,
+          placement=[_decide(cfg, disc, i, layout.state_axes[i], batched(now[i])) for i in written],
+          new_placement=[_new_var_axis(cfg, exclude, v, batched(x)) for v, x in zip(new_vars, new_values)],
+          out_axes=out_axes,
+        )
+    side['out_spec'] = out_spec
+    return [now[i] for i in written], new_values, out_leaves
+
+  try:
+    if cfg.mapper == 'pmap':
+      jax.eval_shape(_vmap_of(cfg, layout, body), state_in, call.dyn)
+      _detach(disc, side.get('new_vars', ()), side.get('new_nodes', ()))
+      run = _pmap_of(cfg, layout, body)
+    else:
+      run = _vmap_of(cfg, layout, body)
+    written_vals, new_vals, out_leaves = run(state_in, call.dyn)
+  except BaseException:
+    _detach(disc, side.get('new_vars', ()), side.get('new_nodes', ()))
+    raise
+  decided = side['decided']
+  write_values(disc, decided['written'], [_place(v, a) for v, a in zip(written_vals, decided['placement'])])
+  write_values(disc, [c for _, c in layout.split_streams], [advanced_count(values[c]) for _, c in layout.split_streams])
+  new_vars = side['new_vars']
+  adopt_new(new_vars, side['new_nodes'], [_place(v, a) for v, a in zip(new_vals, decided['new_placement'])])
+  if cfg.new_states and cfg.state_tag is not None:
+    for v, axis in zip(new_vars, decided['new_placement']):
+      if axis != 'once':
+        v.set_metadata(tag=cfg.state_tag)
+  leaves = [_place(x, 'once' if a is None else a) for x, a in zip(out_leaves, decided['out_axes'])]
+  return side['out_spec'].rebuild(leaves, disc)
+
+
+def _new_var_axis(cfg: MapConfig, exclude, variable, batched: bool):
+  if not cfg.new_states:
+    if batched and cfg.policy == 'raise':
+      raise BatchAxisError(
+        f'{cfg.mapper}: a {type(variable).__name__} created inside the mapped function differs per '
+        'batch element: create it with brainnx.vmap_new_states to get it stacked'
+      )
+    return 0 if batched else 'once'
+  if exclude is not None and exclude.axis_of((), variable)[0]:
+    if batched:
+      raise BatchAxisError(
+        f'vmap_new_states: {type(variable).__name__} matches state_to_exclude (replicated) but its '
+        'value differs per batch element: it must not depend on the batch'
+      )
+    return 'once'
+  return 0
+
+
+def _detach(disc: Discovery, new_vars, new_nodes) -> None:
+  new_ids = {id(x) for x in (*new_vars, *new_nodes)}
+  for n in disc.nodes:
+    attrs = vars(n)
+    for name in [k for k, v in attrs.items() if id(v) in new_ids]:
+      del attrs[name]
+
+
+def _vmap_of(cfg: MapConfig, layout: _Layout, body):
+  return jax.vmap(
+    body,
+    in_axes=(layout.state_axes, layout.dyn_axes),
+    out_axes=0,
+    axis_name=cfg.axis_name,
+    axis_size=layout.size,
+    spmd_axis_name=cfg.spmd_axis_name,
+  )
+
+
+def _pmap_of(cfg: MapConfig, layout: _Layout, body):
+  return jax.pmap(
+    body,
+    axis_name=cfg.axis_name,
+    in_axes=(layout.state_axes, layout.dyn_axes),
+    out_axes=0,
+    axis_size=layout.size,
+    **dict(cfg.pmap_kwargs),
+  )
+
+
+def _check_policy(policy: str) -> str:
+  if policy not in _POLICIES:
+    raise ValueError(f"unexpected_out_state_mapping must be one of {_POLICIES}, got {policy!r}")
+  return policy
+
+
+def vmap(
+  fn: Callable | None = None,
+  *,
+  in_axes: Any = 0,
+  out_axes: Any = 0,
+  axis_name: Hashable | None = None,
+  axis_size: int | None = None,
+  spmd_axis_name: Any = None,
+  state_in_axes: Any = None,
+  state_out_axes: Any = None,
+  unexpected_out_state_mapping: str = 'raise',
+):
+  """Vectorizing map over arguments *and* the Variables ``fn`` reaches.
+
+  ``state_in_axes`` / ``state_out_axes`` give batch axes to Variables by NNX
+  filter (``nnx.Param``, a tag, ``nnx.PathContains``, ``nnx.All/Any/Not``, a
+  predicate, a Variable instance or a list of them): a filter alone means
+  ``{0: filter}``; a dict ``{axis: filter}`` (axis int or ``None``) is read
+  in order, first match wins. Other Variables take the ``in_axes`` of the
+  argument they came through (a Module passed with ``in_axes=0`` is mapped
+  whole), else they are broadcast. Every ``nnx.Rngs`` stream not matched by
+  ``state_in_axes`` gives each element its own key and advances once.
+
+  A written Variable goes out on its ``state_out_axes`` axis, else its
+  in-axis; a broadcast Variable whose new value is the same for all
+  elements is written once; one that differs per element follows
+  ``unexpected_out_state_mapping``: ``'raise'`` (``BatchAxisError``),
+  ``'warn'`` or ``'ignore'`` (stacked on axis 0).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import brainnx as bnx
+    >>> rngs = nnx.Rngs(0)
+    >>> make = bnx.vmap(lambda: nnx.Linear(2, 3, rngs=rngs), axis_size=4)
+    >>> ensemble = make()
+    >>> ensemble.kernel.shape
+    (4, 2, 3)
+  """
+  if fn is None:
+    return functools.partial(
+      vmap,
+      in_axes=in_axes,
+      out_axes=out_axes,
+      axis_name=axis_name,
+      axis_size=axis_size,
+      spmd_axis_name=spmd_axis_name,
+      state_in_axes=state_in_axes,
+      state_out_axes=state_out_axes,
+      unexpected_out_state_mapping=unexpected_out_state_mapping,
+    )
+  if not callable(fn):
+    raise TypeError(f'vmap needs a callable, got {type(fn).__name__}')
+  return MappedFunction(
+    MapConfig(
+      fn=fn,
+      in_axes=in_axes,
+      out_axes=out_axes,
+      axis_name=axis_name,
+      axis_size=axis_size,
+      spmd_axis_name=spmd_axis_name,
+      state_in=AxisRules(state_in_axes, 'state_in_axes'),
+      state_out=AxisRules(state_out_axes, 'state_out_axes'),
+      policy=_check_policy(unexpected_out_state_mapping),
+    )
+  )
+
+
+def vmap_new_states(
+  fun: Callable | None = None,
+  *,
+  in_axes: Any = 0,
+  out_axes: Any = 0,
+  axis_name: Hashable | None = None,
+  axis_size: int | None = None,
+  spmd_axis_name: Any = None,
+  state_tag: str | None = None,
+  state_to_exclude: Any = None,
+  state_in_axes: Any = None,
+  state_out_axes: Any = None,
+  unexpected_out_state_mapping: str = 'raise',
+):
+  """``vmap`` whose Variables created inside ``fun`` come out stacked on axis 0.
+
+  New Variables, including ones attached to existing Modules, get the batch
+  axis (and the tag ``state_tag`` when given). Those matching
+  ``state_to_exclude`` are kept as one value and must not depend on the batch.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import brainnx as bnx
+    >>> cell = nnx.Dict(w=nnx.Param(jnp.ones(2)))
+    >>> @bnx.vmap_new_states(state_tag='hidden')
+    ... def init(x):
+    ...   cell['h'] = nnx.Variable(x * cell['w'][...])
+    >>> init(jnp.ones((5, 2)))
+    >>> cell['h'].shape, cell['h'].tag
+    ((5, 2), 'hidden')
+  """
+  if fun is None:
+    return functools.partial(
+      vmap_new_states,
+      in_axes=in_axes,
+      out_axes=out_axes,
+      axis_name=axis_name,
+      axis_size=axis_size,
+      spmd_axis_name=spmd_axis_name,
+      state_tag=state_tag,
+      state_to_exclude=state_to_exclude,
+      state_in_axes=state_in_axes,
+      state_out_axes=state_out_axes,
+      unexpected_out_state_mapping=unexpected_out_state_mapping,
+    )
+  if isinstance(axis_size, int) and axis_size <= 0:
+    raise ValueError(f'vmap_new_states: axis_size must be positive, got {axis_size}')
+  if not callable(fun):
+    raise TypeError(f'vmap_new_states needs a callable, got {type(fun).__name__}')
+  return MappedFunction(
+    MapConfig(
+      fn=fun,
+      in_axes=in_axes,
+      out_axes=out_axes,
+      axis_name=axis_name,
+      axis_size=axis_size,
+      spmd_axis_name=spmd_axis_name,
+      state_in=AxisRules(state_in_axes, 'state_in_axes'),
+      state_out=AxisRules(state_out_axes, 'state_out_axes'),
+      policy=_check_policy(unexpected_out_state_mapping),
+      new_states=True,
+      state_tag=state_tag,
+      state_to_exclude=state_to_exclude,
+    )
+  )

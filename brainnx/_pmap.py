@@ -1,0 +1,90 @@
+"""State-aware ``pmap``: ``vmap``'s Variable semantics, one batch element per device.
+
+Inside ``jax.pmap`` a value carries no mark of whether it differs across
+devices, so a mapped call first traces ``fn`` under an abstract ``vmap``
+(no computation) to decide where every written Variable goes, then runs it
+under ``jax.pmap`` with those decisions. ``fn``'s Python therefore runs twice
+per trace.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from flax import nnx
+  >>> import brainnx as bnx
+  >>> n = jax.local_device_count()
+  >>> total = nnx.Variable(jnp.zeros(()))
+  >>> @bnx.pmap(axis_name='d')
+  ... def add(x):
+  ...   total[...] += jax.lax.psum(x, 'd')   # same on every device: written once
+  ...   return x * 2
+  >>> add(jnp.ones(n)).shape, float(total[...]) == n
+  ((1,), True)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Hashable
+
+from brainnx._arguments import normalize_static_argnums
+from brainnx._filters import AxisRules
+from brainnx._jit import JittedFunction
+from brainnx._mapping import MapConfig, MappedFunction, _check_policy
+
+__all__ = ['pmap']
+
+
+def pmap(
+  fn: Callable | None = None,
+  axis_name: Hashable | None = None,
+  *,
+  in_axes: Any = 0,
+  out_axes: Any = 0,
+  static_broadcasted_argnums: int | tuple[int, ...] = (),
+  devices=None,
+  backend: str | None = None,
+  axis_size: int | None = None,
+  donate_argnums: int | tuple[int, ...] = (),
+  state_in_axes: Any = None,
+  state_out_axes: Any = None,
+  unexpected_out_state_mapping: str = 'raise',
+):
+  """Parallel map over devices with ``vmap``'s Variable rules (see :func:`vmap`).
+
+  ``static_broadcasted_argnums`` are hashable arguments baked into the trace;
+  ``donate_argnums`` donates those arguments' buffers to the compiled call.
+  """
+  if fn is None:
+    return functools.partial(
+      pmap,
+      axis_name=axis_name,
+      in_axes=in_axes,
+      out_axes=out_axes,
+      static_broadcasted_argnums=static_broadcasted_argnums,
+      devices=devices,
+      backend=backend,
+      axis_size=axis_size,
+      donate_argnums=donate_argnums,
+      state_in_axes=state_in_axes,
+      state_out_axes=state_out_axes,
+      unexpected_out_state_mapping=unexpected_out_state_mapping,
+    )
+  if not callable(fn):
+    raise TypeError(f'pmap needs a callable, got {type(fn).__name__}')
+  statics = normalize_static_argnums(static_broadcasted_argnums, 'static_broadcasted_argnums')
+  kwargs = tuple((k, v) for k, v in (('devices', devices), ('backend', backend)) if v is not None)
+  config = MapConfig(
+    fn=fn,
+    in_axes=in_axes,
+    out_axes=out_axes,
+    axis_name=axis_name,
+    axis_size=axis_size,
+    state_in=AxisRules(state_in_axes, 'state_in_axes'),
+    state_out=AxisRules(state_out_axes, 'state_out_axes'),
+    policy=_check_policy(unexpected_out_state_mapping),
+    mapper='pmap',
+    pmap_kwargs=kwargs,
+    static_argnums=statics,
+  )
+  mapped = MappedFunction(config)
+  mapped._jitted = JittedFunction(fn, statics, (), donate_argnums, {}, traced=mapped._traced)
+  return mapped

@@ -1,0 +1,146 @@
+"""``ProgressBar``: a tqdm bar driven from inside compiled loops.
+
+Each execution of a loop opens its own bar through an ordered host callback
+that returns a run id; every ``freq`` steps a debug callback moves that
+run's bar to ``step + 1``. Updates only move forward, so steps that JAX
+re-runs (``jax.checkpoint`` recomputation in a backward pass) or repeats
+(one callback per batch element when the message depends on the batch) draw
+nothing, and a closed bar never writes again. The step counter is never
+batched, so under ``vmap`` one bar is drawn.
+
+Example:
+  >>> import io, jax.numpy as jnp
+  >>> import brainnx as bnx
+  >>> out = io.StringIO()
+  >>> carry, ys = bnx.scan(lambda c, x: (c + x, c), 0.0, jnp.arange(5.0),
+  ...                      pbar=bnx.ProgressBar(freq=1, file=out))
+  >>> '5/5' in out.getvalue(), float(carry)
+  (True, 10.0)
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+__all__ = ['ProgressBar', 'runner_for']
+
+
+class ProgressBar:
+  """A progress bar for ``scan``, ``for_loop``, their checkpointed forms and ``fori_loop``.
+
+  Args:
+    freq: update every ``freq`` steps (default: about 20 updates per loop).
+    count: update about ``count`` times per loop (exclusive with ``freq``).
+    desc: a label, or ``(format, fn)`` where ``fn(dict(i=..., carry=..., y=...))``
+      returns a dict of values (computed on device) formatted into ``format``.
+    **tqdm_kwargs: passed to ``tqdm.tqdm`` (``file``, ``ncols``, ``leave``, ...).
+  """
+
+  def __init__(self, freq: int | None = None, count: int | None = None, desc: Any = None, **tqdm_kwargs):
+    if freq is not None and count is not None:
+      raise ValueError('ProgressBar: give freq or count, not both')
+    for name, value in (('freq', freq), ('count', count)):
+      if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise ValueError(f'ProgressBar: {name} must be a positive int, got {value!r}')
+    if desc is not None and not isinstance(desc, str):
+      if not (isinstance(desc, tuple) and len(desc) == 2 and isinstance(desc[0], str) and callable(desc[1])):
+        raise TypeError('ProgressBar: desc must be a string or a (format string, function) pair')
+    if 'total' in tqdm_kwargs:
+      raise TypeError('ProgressBar: total is set by the loop; do not pass it')
+    self.freq, self.count, self.desc = freq, count, desc
+    self.tqdm_kwargs = tqdm_kwargs
+    self._bars: dict[int, Any] = {}
+    self._ids = itertools.count(1)
+    self._lock = threading.Lock()
+
+  def __repr__(self) -> str:
+    return f'ProgressBar(freq={self.freq}, count={self.count}, desc={self.desc!r})'
+
+  def init(self, n: int) -> '_Runner':
+    """A runner for a loop of ``n`` steps (used by the loop transforms)."""
+    if self.freq is not None:
+      freq = self.freq
+    elif self.count is not None:
+      freq = max(1, math.ceil(n / self.count))
+    else:
+      freq = max(1, n // 20)
+    return _Runner(self, int(n), freq)
+
+  # -- host side ---------------------------------------------------------------
+
+  def _open(self, n: int) -> np.int32:
+    from tqdm.auto import tqdm
+
+    with self._lock:
+      run = next(self._ids)
+      label = self.desc if isinstance(self.desc, str) else None
+      self._bars[run] = tqdm(total=n, desc=label, **self.tqdm_kwargs)
+      if n == 0:
+        self._bars.pop(run).close()
+    return np.int32(run)
+
+  def _update(self, run, step, values) -> None:
+    with self._lock:
+      bar = self._bars.get(int(run))
+      if bar is None:
+        return
+      target = min(int(step) + 1, bar.total)
+      if isinstance(self.desc, tuple) and values is not None:
+        bar.set_description(self.desc[0].format(**{k: np.asarray(v) for k, v in values.items()}), refresh=False)
+      if target > bar.n:
+        bar.update(target - bar.n)
+      if bar.n >= bar.total:
+        bar.close()
+        del self._bars[int(run)]
+
+
+class _Runner:
+  """The traced side of one loop's bar."""
+
+  def __init__(self, bar: ProgressBar, n: int, freq: int):
+    self.bar, self.n, self.freq = bar, n, freq
+
+  def start(self) -> jax.Array:
+    """Open a bar for this execution; returns its run id (traced)."""
+    return io_callback(
+      lambda: self.bar._open(self.n), jax.ShapeDtypeStruct((), jnp.int32), ordered=True
+    )
+
+  def step(self, run, i, carry=None, y=None) -> None:
+    """Report that step ``i`` (0-based, unbatched) is done."""
+    desc = self.bar.desc
+    values = desc[1](dict(i=i, carry=carry, y=y)) if isinstance(desc, tuple) else None
+    due = jnp.logical_or((i + 1) % self.freq == 0, i + 1 >= self.n)
+
+    def report():
+      jax.debug.callback(self.bar._update, run, i, values)
+
+    jax.lax.cond(due, report, lambda: None)
+
+  def step_eager(self, run, i, carry=None, y=None) -> None:
+    desc = self.bar.desc
+    values = desc[1](dict(i=i, carry=carry, y=y)) if isinstance(desc, tuple) else None
+    if (i + 1) % self.freq == 0 or i + 1 >= self.n:
+      self.bar._update(run, i, values)
+
+
+def runner_for(pbar: Any, n: int) -> _Runner | None:
+  """``pbar`` (``None``, a ``ProgressBar`` or a positive int) as a runner for ``n`` steps."""
+  if pbar is None:
+    return None
+  if isinstance(pbar, ProgressBar):
+    return pbar.init(n)
+  if isinstance(pbar, int) and not isinstance(pbar, bool):
+    if pbar <= 0:
+      raise ValueError(f'pbar={pbar}: an int pbar is the update frequency and must be positive')
+    return ProgressBar(freq=pbar).init(n)
+  raise TypeError(f'pbar must be None, a ProgressBar or a positive int, got {type(pbar).__name__}')
+
