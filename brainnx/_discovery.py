@@ -351,8 +351,6 @@ class _Roots:
   def _function(self, fn: types.FunctionType) -> None:
     if hasattr(fn, '__wrapped__'):
       self.explore(fn.__wrapped__)
-    if fn.__code__.co_filename.startswith(_LIBRARY_DIRS):
-      return
     code = fn.__code__
     for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
       try:
@@ -361,6 +359,8 @@ class _Roots:
         continue
       if self.add(name, 'closure', obj):
         self.cells.append((cell, obj))
+    if code.co_filename.startswith(_LIBRARY_DIRS):
+      return  # a library's closures may wrap user code; its globals are its own
     namespace = fn.__globals__
     for name in _loaded_globals(code):
       obj = namespace.get(name, _MISSING)

@@ -61,7 +61,7 @@ def to_filter(spec: Any):
     return nnx.Any(*[to_filter(s) for s in spec])
   try:
     return _compat.to_predicate(spec)
-  except TypeError as e:
+  except (TypeError, ValueError) as e:
     raise TypeError(
       f'{spec!r} is not a filter: use a Variable type (nnx.Param), a tag string, '
       '..., True/False/None, nnx.PathContains/All/Any/Not, a callable (path, variable) -> bool, '

@@ -279,41 +279,39 @@ def _check_base(base) -> int:
   return base
 
 
-def _levels(length: int, base: int) -> int:
-  k, span = 1, base
-  while span < length:
-    k, span = k + 1, span * base
-  return k
+def _digits(length: int, base: int) -> list[tuple[int, int]]:
+  """``length`` in base ``base``: ``[(depth, digit), ...]``, most significant first."""
+  digits, depth = [], 0
+  while length:
+    length, digit = divmod(length, base)
+    digits.append((depth, digit))
+    depth += 1
+  return [(d, a) for d, a in reversed(digits) if a]
 
 
-def _nested_scan(step, carry, xs_leaves, length: int, base: int):
-  """``lax.scan(step, carry, xs)`` with reverse-mode memory O(base * log_base(length)) steps.
+def _nested_scan(step, carry, length: int, base: int):
+  """``lax.scan(step, carry, None, length)`` with reverse-mode memory O(base * log_base(length)).
 
-  Nested ``lax.scan`` levels of ``base`` steps each (the outermost one just
-  long enough), every level but the innermost under ``jax.checkpoint``; steps
-  past ``length`` (padding) are skipped by ``lax.cond``.
+  ``length`` is split into its digits in base ``base``; digit ``a`` at depth
+  ``d`` runs ``a`` blocks of ``base**d`` steps, a block being ``base``
+  checkpointed blocks of the depth below (the innermost level, ``base``
+  plain steps, is not checkpointed). A backward pass then keeps one carry
+  per step of each level and recomputes the rest. ``step`` reads its inputs
+  itself (by the step counter in its carry), so no slice of them is kept.
   """
-  k = _levels(length, base)
-  if k == 1:
-    return jax.lax.scan(step, carry, xs_leaves, length=length)
-  inner = base ** (k - 1)
-  n_outer = -(-length // inner)
-  padded = n_outer * inner
-  shape = (n_outer,) + (base,) * (k - 1)
-
-  def pad(x):
-    x = jnp.concatenate([x, jnp.zeros((padded - length,) + x.shape[1:], x.dtype)]) if padded > length else x
-    return x.reshape(shape + x.shape[1:])
 
   def block(depth):
     if depth == 1:
-      return lambda c, xb: jax.lax.scan(step, c, xb)
+      return lambda c, _: jax.lax.scan(step, c, None, length=base)
     below = jax.checkpoint(block(depth - 1), prevent_cse=False)
-    return lambda c, xb: jax.lax.scan(below, c, xb)
+    return lambda c, _: jax.lax.scan(below, c, None, length=base)
 
-  top = jax.checkpoint(block(k - 1), prevent_cse=False)
-  carry, ys = jax.lax.scan(top, carry, [pad(x) for x in xs_leaves], length=n_outer)
-  ys = [y.reshape((padded,) + y.shape[k:])[:length] for y in ys]
+  pieces = []
+  for depth, count in _digits(length, base):
+    body = step if depth == 0 else jax.checkpoint(block(depth), prevent_cse=False)
+    carry, ys = jax.lax.scan(body, carry, None, length=count)
+    pieces.append(jax.tree.map(lambda y: y.reshape((count * base**depth,) + y.shape[depth + 1 :]), ys))
+  ys = pieces[0] if len(pieces) == 1 else jax.tree.map(lambda *p: jnp.concatenate(p), *pieces)
   return carry, ys
 
 
@@ -345,28 +343,22 @@ def _checkpointed_impl(f, init, xs, length, base, pbar):
   if jax.config.jax_disable_jit:
     return _python_scan(f, init, xs, n, False, runner)
   body, n_carry = _scan_parts(f, init, xs, 'checkpointed_scan')
-  y_shapes = [s for s in jax.tree.leaves(body.trace.out_shapes)][n_carry:]
 
-  def step(carry, x_leaves):
+  xs_leaves = _dyn_leaves(xs)
+
+  def step(carry, _):
     written, leaves, (run, i) = carry
-
-    def real(operands):
-      written, leaves = operands
-      new_written, out = body.run(written, leaves + x_leaves)
-      if runner:
-        runner.step(run, i, _rebuild_part(body, out, 0), _rebuild_part(body, out, 1))
-      return new_written, out[:n_carry], out[n_carry:]
-
-    def skip(operands):
-      written, leaves = operands
-      return written, leaves, [jnp.zeros(s.shape, s.dtype) for s in y_shapes]
-
-    written, leaves, y = jax.lax.cond(i < n, real, skip, (written, leaves))
-    return (written, leaves, (run, i + 1)), y
+    # inputs are read by index from the (loop-constant) xs, so that the checkpointed
+    # levels keep only carries as residuals, never slices of xs
+    x_leaves = [jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in xs_leaves]
+    written, out = body.run(written, leaves + x_leaves)
+    if runner:
+      runner.step(run, i, _rebuild_part(body, out, 0), _rebuild_part(body, out, 1))
+    return (written, out[:n_carry], (run, i + 1)), out[n_carry:]
 
   run = runner.start() if runner else jnp.int32(0)
   init_carry = (body.initial_written(), _dyn_leaves(init), (run, jnp.int32(0)))
-  (written, leaves, _), ys = _nested_scan(step, init_carry, _dyn_leaves(xs), n, base)
+  (written, leaves, _), ys = _nested_scan(step, init_carry, n, base)
   body.write_back(written)
   return body.trace.out_spec.rebuild(list(leaves) + list(ys), body.disc)
 

@@ -43,6 +43,17 @@ def map(f: Callable, *xs, batch_size: int | None = None):  # noqa: A001 - brains
   Variables). With ``batch_size`` it runs ``vmap(f)`` over chunks of that
   size (then the remainder), trading memory for speed; ``f`` may then only
   write RNG state (each element draws its own keys).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import brainnx as bnx
+    >>> seen = nnx.Variable(jnp.array(0))
+    >>> def f(x):
+    ...   seen[...] += 1
+    ...   return x * 2
+    >>> bnx.map(f, jnp.arange(4)).tolist(), int(seen[...])
+    ([0, 2, 4, 6], 4)
   """
   _check_callable(f, 'map')
   if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0):

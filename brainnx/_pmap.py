@@ -16,8 +16,8 @@ Example:
   ... def add(x):
   ...   total[...] += jax.lax.psum(x, 'd')   # same on every device: written once
   ...   return x * 2
-  >>> add(jnp.ones(n)).shape, float(total[...]) == n
-  ((1,), True)
+  >>> add(jnp.ones(n)).shape == (n,), float(total[...]) == n
+  (True, True)
 """
 
 from __future__ import annotations
@@ -52,6 +52,16 @@ def pmap(
 
   ``static_broadcasted_argnums`` are hashable arguments baked into the trace;
   ``donate_argnums`` donates those arguments' buffers to the compiled call.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import brainnx as bnx
+    >>> n = jax.local_device_count()
+    >>> rngs = nnx.Rngs(0)
+    >>> draws = bnx.pmap(lambda: rngs.normal(()), axis_size=n)()   # one key per device
+    >>> draws.shape == (n,), int(rngs.default.count[...])
+    (True, 1)
   """
   if fn is None:
     return functools.partial(

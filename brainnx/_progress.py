@@ -42,6 +42,15 @@ class ProgressBar:
     desc: a label, or ``(format, fn)`` where ``fn(dict(i=..., carry=..., y=...))``
       returns a dict of values (computed on device) formatted into ``format``.
     **tqdm_kwargs: passed to ``tqdm.tqdm`` (``file``, ``ncols``, ``leave``, ...).
+
+  Example:
+    >>> import io, jax.numpy as jnp
+    >>> import brainnx as bnx
+    >>> out = io.StringIO()
+    >>> pbar = bnx.ProgressBar(count=4, desc=('x={x:.0f}', lambda d: {'x': d['y']}), file=out)
+    >>> ys = bnx.for_loop(lambda x: x * 10, jnp.arange(8.0), pbar=pbar)
+    >>> '8/8' in out.getvalue(), 'x=70' in out.getvalue()
+    (True, True)
   """
 
   def __init__(self, freq: int | None = None, count: int | None = None, desc: Any = None, **tqdm_kwargs):

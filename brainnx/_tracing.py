@@ -379,6 +379,19 @@ class StatefulFunction:
   that uses a state's incoming value or produces its new value. States
   touched at the same point (say, assigned an argument as is) keep their
   discovery order.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import brainnx as bnx
+    >>> w, seen = nnx.Param(jnp.ones(2)), nnx.Variable(jnp.array(0))
+    >>> def f(x):
+    ...   seen[...] += 1
+    ...   return x @ w[...]
+    >>> sf = bnx.StatefulFunction(f)
+    >>> new_vals, out = sf.jaxpr_call([seen[...], w[...]], jnp.ones(2))
+    >>> [int(new_vals[0]), float(out)], int(seen[...])   # jaxpr_call writes nothing
+    ([1, 2.0], 0)
   """
 
   def __init__(

@@ -1,0 +1,306 @@
+"""Loops against jax.lax.scan / while_loop on the pure equivalent."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import brainnx as bnx
+from helpers import no_tracers
+
+XS = jax.random.normal(jax.random.key(0), (12, 3))
+
+
+def test_scan_accumulating_batchstat_equals_lax_scan():
+  stat = nnx.BatchStat(jnp.zeros(3))
+  w = nnx.Param(jnp.array([1.0, 2.0, 3.0]))
+
+  def step(c, x):
+    stat[...] = 0.9 * stat[...] + x * w[...]
+    return c + stat[...].sum(), stat[...]
+
+  carry, ys = bnx.scan(step, 0.0, XS)
+
+  def pure(c, x):
+    (total, s) = c
+    s = 0.9 * s + x * jnp.array([1.0, 2.0, 3.0])
+    return (total + s.sum(), s), s
+
+  (ref_total, ref_stat), ref_ys = jax.lax.scan(pure, (0.0, jnp.zeros(3)), XS)
+  np.testing.assert_allclose(carry, ref_total, rtol=1e-5)
+  np.testing.assert_allclose(ys, ref_ys, rtol=1e-5)
+  np.testing.assert_allclose(stat[...], ref_stat, rtol=1e-5)
+  np.testing.assert_array_equal(w[...], [1.0, 2.0, 3.0])
+
+
+def test_read_only_variables_are_not_carried():
+  w = nnx.Param(jnp.ones(3))
+  stat = nnx.BatchStat(jnp.zeros(3))
+
+  def step(c, x):
+    stat[...] += x * w[...]
+    return c + 1.0, None
+
+  jaxpr, _ = bnx.make_jaxpr(lambda xs: bnx.scan(step, 0.0, xs))(XS)
+  scan_eqn = next(e for e in jaxpr.jaxpr.eqns if e.primitive.name == 'scan')
+  assert scan_eqn.params['num_carry'] == 2  # the BatchStat and the user carry
+  consts = scan_eqn.invars[: scan_eqn.params['num_consts']]
+  assert [tuple(v.aval.shape) for v in consts] == [(3,)]  # w enters as a loop constant
+
+
+def test_reverse_cumsum():
+  total = nnx.Variable(jnp.array(0))
+
+  def step(c, x):
+    before = total[...]
+    total[...] += x
+    return c, before
+
+  _, ys = bnx.scan(step, None, jnp.arange(5), reverse=True)
+  assert ys.tolist() == [10, 9, 7, 4, 0] and int(total[...]) == 10
+
+
+@pytest.mark.parametrize('unroll', [1, 3, True])
+def test_unroll_and_length(unroll):
+  count = nnx.Variable(jnp.array(0))
+
+  def step(c, _):
+    count[...] += 1
+    return c * 2, count[...]
+
+  carry, ys = bnx.scan(step, 1, None, length=6, unroll=unroll)
+  assert int(carry) == 64 and ys.tolist() == [1, 2, 3, 4, 5, 6] and int(count[...]) == 6
+
+
+def test_disable_jit_gives_identical_results():
+  def run():
+    stat = nnx.BatchStat(jnp.zeros(3))
+    rngs = nnx.Rngs(0)
+
+    def step(c, x):
+      stat[...] += x + rngs.normal((3,))
+      return c + 1, stat[...]
+
+    carry, ys = bnx.scan(step, 0, XS)
+    return carry, ys, stat[...], rngs.default.count[...]
+
+  compiled = run()
+  with jax.disable_jit():
+    eager = run()
+  for a, b in zip(compiled, eager):
+    np.testing.assert_allclose(a, b, rtol=1e-5)
+
+
+def test_rng_inside_loop_differs_each_step_and_reproduces():
+  def draws(seed):
+    rngs = nnx.Rngs(seed)
+    ys = bnx.for_loop(lambda _: rngs.normal(()), jnp.arange(6))
+    return ys, rngs
+
+  ys, rngs = draws(0)
+  assert len(set(np.asarray(ys).tolist())) == 6 and int(rngs.default.count[...]) == 6
+  np.testing.assert_array_equal(draws(0)[0], ys)
+  plain = nnx.Rngs(0)
+  np.testing.assert_allclose(ys, jnp.stack([plain.normal(()) for _ in range(6)]), rtol=1e-6)
+
+
+def test_scan_errors_match_lax_scan():
+  with pytest.raises(ValueError, match='different leading axis sizes: 3, 4'):
+    bnx.scan(lambda c, x: (c, x), 0, (jnp.ones(3), jnp.ones(4)))
+  with pytest.raises(ValueError, match='`length` argument of 5 which disagrees'):
+    bnx.scan(lambda c, x: (c, x), 0, jnp.ones(3), length=5)
+  with pytest.raises(ValueError, match='no values to scan over and `length` not provided'):
+    bnx.scan(lambda c, x: (c, x), 0, None)
+  with pytest.raises(TypeError, match='f argument should be a callable'):
+    bnx.scan(3, 0, jnp.ones(3))
+  with pytest.raises(TypeError, match='pbar must be'):
+    bnx.scan(lambda c, x: (c, x), 0, jnp.ones(3), pbar='yes')
+  with pytest.raises(ValueError, match='must be positive'):
+    bnx.scan(lambda c, x: (c, x), 0, jnp.ones(3), pbar=0)
+  with pytest.raises(ValueError, match='must return a pair'):
+    bnx.scan(lambda c, x: c, 0, jnp.ones(3))
+  with pytest.raises(ValueError, match='no leading axis'):
+    bnx.scan(lambda c, x: (c, x), 0, jnp.float32(1.0))
+
+
+def test_scan_refuses_shape_change_and_new_variables():
+  v = nnx.Variable(jnp.zeros(2))
+  with pytest.raises(ValueError, match=r"Variable at \('v',\) changes shape"):
+    bnx.scan(lambda c, x: (v.set_value(jnp.zeros(3)), None), None, jnp.ones(3))
+  holder = nnx.Dict()
+  with pytest.raises(ValueError, match='creates Variables'):
+    bnx.scan(lambda c, x: (holder.__setitem__('h', nnx.Variable(x)), None), None, jnp.ones(3))
+  assert 'h' not in holder and no_tracers(v)
+
+
+def test_exception_in_body_leaves_state_exact():
+  stat = nnx.BatchStat(jnp.ones(3))
+
+  def step(c, x):
+    stat[...] = stat[...] * 5
+    raise RuntimeError('body failure')
+
+  with pytest.raises(RuntimeError, match='body failure'):
+    bnx.scan(step, 0.0, XS)
+  np.testing.assert_array_equal(stat[...], jnp.ones(3))
+  assert no_tracers(stat)
+
+
+def test_for_loop():
+  acc = nnx.Variable(jnp.zeros(()))
+
+  def body(a, b):
+    acc[...] += a * b
+    return acc[...]
+
+  ys = bnx.for_loop(body, jnp.arange(4.0), jnp.arange(4.0))
+  np.testing.assert_allclose(ys, np.cumsum(np.arange(4.0) ** 2))
+  assert float(acc[...]) == 14.0
+
+
+# -- checkpointed ---------------------------------------------------------------------
+
+
+def _rnn(w_val, xs, loop, **kw):
+  w = nnx.Param(w_val)
+  h_stat = nnx.BatchStat(jnp.zeros(3))
+
+  def cell(h, x):
+    h = jnp.tanh(h @ w[...] + x)
+    h_stat[...] = h_stat[...] + h
+    return h, (h ** 2).sum()
+
+  h, ys = loop(cell, jnp.zeros(3), xs, **kw)
+  return (h ** 2).sum() + ys.sum() + h_stat[...].sum(), (h, ys, h_stat[...])
+
+
+@pytest.mark.parametrize('length', [1, 7, 16, 17, 1000])
+@pytest.mark.parametrize('base', [2, 16])
+def test_checkpointed_equals_scan_values_and_gradients(length, base):
+  if length == 1000 and base == 2:
+    pytest.skip('covered by base=16; base 2 at 1000 steps is slow to compile')
+  xs = jax.random.normal(jax.random.key(length), (length, 3)) * 0.5
+  w0 = jax.random.normal(jax.random.key(1), (3, 3)) * 0.5
+  (v_ref, aux_ref), g_ref = jax.value_and_grad(lambda w: _rnn(w, xs, bnx.scan), has_aux=True)(w0)
+  (v, aux), g = jax.value_and_grad(lambda w: _rnn(w, xs, bnx.checkpointed_scan, base=base), has_aux=True)(w0)
+  np.testing.assert_allclose(v, v_ref, rtol=1e-4)
+  np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(aux), jax.tree.leaves(aux_ref)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_checkpointed_scan_uses_less_reverse_mode_memory():
+  xs = jnp.ones((1024, 16, 64))  # length 1024, batch 16, width 64
+  w = jnp.eye(64) * 0.5
+
+  def loss(w, xs, loop, **kw):
+    h, _ = loop(lambda h, x: (jnp.tanh(h @ w + x), None), jnp.zeros((16, 64)), xs, **kw)
+    return h.sum()
+
+  def temp_bytes(fn):
+    return jax.jit(jax.grad(fn)).lower(w, xs).compile().memory_analysis().temp_size_in_bytes
+
+  plain = temp_bytes(lambda w, xs: loss(w, xs, bnx.scan))
+  ckpt = temp_bytes(lambda w, xs: loss(w, xs, bnx.checkpointed_scan, base=8))
+  assert ckpt < 0.1 * plain, (ckpt, plain)
+
+
+def test_checkpointed_errors():
+  for base in (1, True, 2.0):
+    with pytest.raises(ValueError, match='base >= 2'):
+      bnx.checkpointed_scan(lambda c, x: (c, x), 0, jnp.ones(3), base=base)
+  with pytest.raises(ValueError, match='zero-length'):
+    bnx.checkpointed_scan(lambda c, x: (c, x), 0, jnp.ones((0, 2)))
+  with pytest.raises(ValueError, match='must return a pair'):
+    bnx.checkpointed_scan(lambda c, x: (c, x, x), 0, jnp.ones(3))
+
+
+def test_checkpointed_for_loop_matches_for_loop():
+  stat = nnx.BatchStat(jnp.zeros(()))
+
+  def body(x):
+    stat[...] += x
+    return stat[...]
+
+  a = bnx.checkpointed_for_loop(body, jnp.arange(10.0), base=3)
+  stat[...] = 0.0
+  b = bnx.for_loop(body, jnp.arange(10.0))
+  np.testing.assert_array_equal(a, b)
+
+
+# -- while and fori ---------------------------------------------------------------------
+
+
+def test_while_loop_with_written_variables():
+  steps = nnx.Variable(jnp.array(0))
+  limit = nnx.Param(jnp.array(50.0))
+
+  def body(x):
+    steps[...] += 1
+    return x * 2
+
+  out = bnx.while_loop(lambda x: x < limit[...], body, 1.0)
+  ref = jax.lax.while_loop(lambda c: c[1] < 50.0, lambda c: (c[0] + 1, c[1] * 2), (0, 1.0))
+  assert float(out) == float(ref[1]) and int(steps[...]) == int(ref[0])
+
+
+def test_cond_fun_writing_is_refused():
+  seen = nnx.Variable(jnp.array(0))
+
+  def cond(x):
+    seen[...] += 1
+    return x < 3
+
+  with pytest.raises(ValueError, match=r"cond_fun writes Variable at \('seen',\)"):
+    bnx.while_loop(cond, lambda x: x + 1, 0)
+  assert int(seen[...]) == 0 and no_tracers(seen)
+
+
+def test_while_and_fori_under_vmap_have_per_element_trip_counts():
+  steps = nnx.Variable(jnp.zeros((4,), jnp.int32))
+
+  def run(limit):
+    def body(x):
+      steps[...] += 1
+      return x + 1
+
+    return bnx.while_loop(lambda x: x < limit, body, 0)
+
+  limits = jnp.array([1, 3, 0, 5])
+  out = bnx.vmap(run, state_in_axes={0: steps})(limits)
+  np.testing.assert_array_equal(out, limits)
+  np.testing.assert_array_equal(steps[...], limits)
+
+  def fori(n):
+    return bnx.fori_loop(0, n, lambda i, acc: acc + i, 0)
+
+  np.testing.assert_array_equal(bnx.vmap(fori)(limits), [0, 3, 0, 10])
+
+
+def test_fori_loop_concrete_and_traced_bounds():
+  acc = nnx.Variable(jnp.zeros(()))
+
+  def body(i, total):
+    acc[...] += i
+    return total + i * 2
+
+  assert int(bnx.fori_loop(0, 5, body, 0)) == 20 and float(acc[...]) == 10.0
+  traced = bnx.jit(lambda n: bnx.fori_loop(0, n, body, 0))
+  assert int(traced(4)) == 12 and float(acc[...]) == 16.0
+  assert int(bnx.fori_loop(3, 3, body, 7)) == 7
+  g = jax.grad(lambda w: bnx.fori_loop(0, 3, lambda i, c: c * w, 1.0))(2.0)
+  assert float(g) == 12.0
+
+
+def test_eager_loops_replay_compiled_code():
+  runs = []
+
+  def step(c, x):
+    runs.append(1)
+    return c + x, None
+
+  xs = jnp.arange(4.0)
+  for _ in range(3):
+    bnx.scan(step, 0.0, xs)
+  assert len(runs) == 1

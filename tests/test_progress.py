@@ -1,0 +1,133 @@
+"""ProgressBar: one bar per execution, ending at exactly n/n, results unchanged."""
+
+import io
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import brainnx as bnx
+
+
+def bar(**kw):
+  out = io.StringIO()
+  return bnx.ProgressBar(file=out, mininterval=0, ascii=True, **kw), out
+
+
+def bars(out: io.StringIO):
+  """Per closed bar: the list of (done, total) states it showed."""
+  text = out.getvalue()
+  assert text.endswith('\n'), 'a bar was left open'
+  return [[(int(a), int(b)) for a, b in re.findall(r'(\d+)/(\d+)', line)] for line in text.split('\n')[:-1]]
+
+
+def assert_one_complete_bar(out, n):
+  (states,) = bars(out)
+  assert states[-1] == (n, n)
+  done = [d for d, _ in states]
+  assert done == sorted(done) and max(done) == n and all(t == n for _, t in states)
+
+
+def step(c, x):
+  return c + x, c * 2
+
+
+def test_scan_bar_reaches_n_once_and_results_unchanged():
+  pbar, out = bar(freq=3)
+  with_bar = bnx.scan(step, 0.0, jnp.arange(10.0), pbar=pbar)
+  assert_one_complete_bar(out, 10)
+  without = bnx.scan(step, 0.0, jnp.arange(10.0))
+  for a, b in zip(jax.tree.leaves(with_bar), jax.tree.leaves(without)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_default_frequency_is_about_twenty_updates():
+  pbar, out = bar()
+  bnx.for_loop(lambda x: x, jnp.arange(200.0), pbar=pbar)
+  (states,) = bars(out)
+  assert 15 <= len({d for d, _ in states}) <= 25
+
+
+def test_count_sets_number_of_updates():
+  pbar, out = bar(count=4)
+  bnx.for_loop(lambda x: x, jnp.arange(40.0), pbar=pbar)
+  (states,) = bars(out)
+  assert sorted({d for d, _ in states}) == [0, 10, 20, 30, 40]
+
+
+def test_each_execution_draws_its_own_bar():
+  pbar, out = bar(freq=1)
+  f = bnx.jit(lambda xs: bnx.scan(step, 0.0, xs, pbar=pbar))
+  f(jnp.arange(5.0))
+  f(jnp.arange(5.0))
+  assert [s[-1] for s in bars(out)] == [(5, 5), (5, 5)]
+
+
+def test_inside_vmap_one_bar():
+  pbar, out = bar(freq=1)
+  f = bnx.vmap(lambda xs: bnx.scan(step, 0.0, xs, pbar=pbar)[0])
+  np.testing.assert_allclose(f(jnp.ones((3, 10))), 10.0)
+  assert_one_complete_bar(out, 10)
+
+
+def test_inside_vmap_with_batched_description():
+  pbar, out = bar(freq=1, desc=('carry={carry:.1f}', lambda d: {'carry': d['carry']}))
+  bnx.vmap(lambda xs: bnx.scan(step, 0.0, xs, pbar=pbar)[0])(jnp.ones((3, 6)))
+  assert_one_complete_bar(out, 6)
+  assert 'carry=' in out.getvalue()
+
+
+def test_checkpointed_backward_pass_draws_nothing_more():
+  pbar, out = bar(freq=1)
+  g = jax.grad(lambda w: bnx.checkpointed_scan(lambda c, x: (jnp.tanh(c * w + x), c), 0.1, jnp.ones(30), base=3, pbar=pbar)[0])
+  g(0.5)
+  assert_one_complete_bar(out, 30)
+
+
+def test_fori_loop_and_checkpointed_for_loop_bars():
+  pbar, out = bar(freq=2)
+  assert int(bnx.fori_loop(0, 7, lambda i, c: c + i, 0, pbar=pbar)) == 21
+  assert_one_complete_bar(out, 7)
+  pbar, out = bar(freq=2)
+  bnx.checkpointed_for_loop(lambda x: x * 2, jnp.arange(9.0), base=2, pbar=pbar)
+  assert_one_complete_bar(out, 9)
+
+
+def test_int_pbar_and_string_desc():
+  stat = nnx.BatchStat(jnp.zeros(()))
+
+  def body(x):
+    stat[...] += x
+    return stat[...]
+
+  ys = bnx.for_loop(body, jnp.arange(6.0), pbar=2)
+  np.testing.assert_allclose(ys, np.cumsum(np.arange(6.0)))
+  pbar, out = bar(freq=1, desc='training')
+  bnx.for_loop(lambda x: x, jnp.arange(3.0), pbar=pbar)
+  assert 'training' in out.getvalue()
+
+
+def test_validation_errors():
+  with pytest.raises(ValueError, match='freq or count, not both'):
+    bnx.ProgressBar(freq=2, count=3)
+  with pytest.raises(ValueError, match='freq must be a positive int'):
+    bnx.ProgressBar(freq=0)
+  with pytest.raises(ValueError, match='count must be a positive int'):
+    bnx.ProgressBar(count=-1)
+  with pytest.raises(TypeError, match='desc must be'):
+    bnx.ProgressBar(desc=('{x}',))
+  with pytest.raises(TypeError, match='total is set by the loop'):
+    bnx.ProgressBar(total=3)
+  with pytest.raises(ValueError, match='concrete'):
+    bnx.jit(lambda n: bnx.fori_loop(0, n, lambda i, c: c, 0, pbar=1))(3)
+
+
+def test_under_disable_jit():
+  pbar, out = bar(freq=1)
+  with jax.disable_jit():
+    carry, _ = bnx.scan(step, 0.0, jnp.arange(4.0), pbar=pbar)
+  assert float(carry) == 6.0
+  assert_one_complete_bar(out, 4)

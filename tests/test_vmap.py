@@ -1,0 +1,550 @@
+"""vmap: every rule of API.md § Mapping, against jax.vmap on pure pytrees or a Python loop."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import brainnx as bnx
+from helpers import MLP, assert_same_values, mlp_params, mlp_pure, no_tracers, values_of
+
+X = jax.random.normal(jax.random.key(0), (5, 3))
+
+
+def ensemble(n=8, seed=0):
+  rngs = nnx.Rngs(seed)
+  return bnx.vmap(lambda: MLP(3, 4, 2, rngs=rngs), axis_size=n)()
+
+
+# -- stacked parameters ------------------------------------------------------------
+
+
+def test_ensemble_creation_stacks_and_members_differ():
+  rngs = nnx.Rngs(0)
+  ens = bnx.vmap(lambda: MLP(3, 4, 2, rngs=rngs), axis_size=8)()
+  assert ens.l1.kernel.shape == (8, 3, 4) and ens.l2.bias.shape == (8, 2)
+  kernels = np.asarray(ens.l1.kernel[...]).reshape(8, -1)
+  assert len({tuple(k.round(6)) for k in kernels}) == 8
+  assert int(rngs.default.count[...]) == 1 and no_tracers(ens)
+  # member i equals a module built from the i-th split key
+  keys = jax.random.split(jax.random.fold_in(jax.random.key(0), 0), 8)
+  member = MLP(3, 4, 2, rngs=nnx.Rngs(keys[3]))
+  np.testing.assert_allclose(ens.l1.kernel[3], member.l1.kernel[...], rtol=1e-6)
+
+
+def test_stacked_forward_matches_jax_vmap_closure_and_argument():
+  ens = ensemble()
+  ref = jax.vmap(mlp_pure, in_axes=(0, None))(mlp_params(ens), X)
+  by_closure = bnx.vmap(lambda x: ens(x), in_axes=None, state_in_axes={0: nnx.Param})(X)
+  by_arg = bnx.vmap(lambda m, x: m(x), in_axes=(0, None))(ens, X)
+  np.testing.assert_allclose(by_closure, ref, rtol=1e-6)
+  np.testing.assert_allclose(by_arg, ref, rtol=1e-6)
+
+
+def test_out_axes_for_outputs_and_created_modules():
+  ens = ensemble(4)
+  ref = jax.vmap(mlp_pure, in_axes=(0, None), out_axes=1)(mlp_params(ens), X)
+  np.testing.assert_allclose(bnx.vmap(lambda m, x: m(x), in_axes=(0, None), out_axes=1)(ens, X), ref, rtol=1e-6)
+  rngs = nnx.Rngs(0)
+  made = bnx.vmap(lambda: nnx.Linear(3, 2, rngs=rngs), axis_size=4, out_axes=1)()
+  assert made.kernel.shape == (3, 4, 2)
+
+
+def test_shorthand_equals_dict_form():
+  ens = ensemble(4)
+  a = bnx.vmap(lambda x: ens(x), in_axes=None, state_in_axes=nnx.Param)(X)
+  b = bnx.vmap(lambda x: ens(x), in_axes=None, state_in_axes={0: nnx.Param})(X)
+  np.testing.assert_array_equal(a, b)
+
+
+def test_undeclared_read_only_variable_is_broadcast_unchanged():
+  w = nnx.Param(jnp.arange(3.0))
+  out = bnx.vmap(lambda x: x * w[...])(X)
+  np.testing.assert_allclose(out, X * jnp.arange(3.0))
+  np.testing.assert_array_equal(w[...], jnp.arange(3.0))
+
+
+def test_unbatched_write_happens_once():
+  count = nnx.Variable(jnp.array(0))
+
+  def f(x):
+    count[...] += 1
+    return x
+
+  bnx.vmap(f)(X)
+  assert int(count[...]) == 1
+
+
+def test_declared_per_element_accumulation_over_two_calls():
+  acc = nnx.BatchStat(jnp.zeros((5,)))
+
+  def f(x):
+    acc[...] += x.sum()
+    return acc[...]
+
+  g = bnx.vmap(f, state_in_axes={0: nnx.BatchStat})
+  g(X)
+  out = g(X)
+  np.testing.assert_allclose(acc[...], 2 * X.sum(1), rtol=1e-6)
+  np.testing.assert_allclose(out, 2 * X.sum(1), rtol=1e-6)
+
+
+def test_write_goes_out_on_declared_axis():
+  acc = nnx.BatchStat(jnp.zeros((3, 5)))  # batch on axis 1
+
+  def f(x):
+    acc[...] = acc[...] + x
+    return x
+
+  bnx.vmap(f, state_in_axes={1: nnx.BatchStat}, state_out_axes={1: nnx.BatchStat})(X)
+  np.testing.assert_allclose(acc[...], X.T)
+
+
+# -- unexpected writes ------------------------------------------------------------
+
+
+def test_policy_raise_warn_ignore_and_bad_policy():
+  acc = nnx.Variable(jnp.zeros(()))
+
+  def f(x):
+    acc[...] += x.sum()
+
+  with pytest.raises(bnx.BatchAxisError, match=r"Variable at \('acc',\).*state_out_axes=\{0"):
+    bnx.vmap(f)(X)
+  assert float(acc[...]) == 0.0 and no_tracers(acc)
+  with pytest.warns(UserWarning, match='differs per batch element'):
+    bnx.vmap(f, unexpected_out_state_mapping='warn')(X)
+  np.testing.assert_allclose(acc[...], X.sum(1), rtol=1e-6)
+  acc2 = nnx.Variable(jnp.zeros(()))
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    bnx.vmap(lambda x: acc2.set_value(acc2[...] + x.sum()), unexpected_out_state_mapping='ignore')(X)
+  assert acc2.shape == (5,)
+  with pytest.raises(ValueError, match='unexpected_out_state_mapping'):
+    bnx.vmap(f, unexpected_out_state_mapping='loud')
+
+
+def test_declared_broadcast_with_batched_write_raises():
+  acc = nnx.BatchStat(jnp.zeros(()))
+  with pytest.raises(bnx.BatchAxisError, match="BatchStat at \\('acc',\\) is declared state_out_axes=None"):
+    bnx.vmap(lambda x: acc.set_value(x.sum()), state_out_axes={None: nnx.BatchStat})(X)
+  assert float(acc[...]) == 0.0
+
+
+def test_in_out_axis_conflict():
+  acc = nnx.BatchStat(jnp.zeros((5, 3)))
+  with pytest.raises(bnx.BatchAxisError, match='mapped in on axis 0 .* declares axis 1'):
+    bnx.vmap(lambda x: acc[...] + x, state_in_axes={0: nnx.BatchStat}, state_out_axes={1: nnx.BatchStat})(X)
+  assert bnx.BatchAxisError.__mro__[1] is ValueError
+  np.testing.assert_array_equal(acc[...], jnp.zeros((5, 3)))
+
+
+# -- batch size and axes -----------------------------------------------------------
+
+
+def test_inconsistent_sizes():
+  w = nnx.Param(jnp.ones((4, 3)))
+  with pytest.raises(ValueError, match=r"inconsistent batch sizes \[4, 5\]"):
+    bnx.vmap(lambda x: x * w[...], state_in_axes=nnx.Param)(X)
+  with pytest.raises(ValueError, match='axis_size: 7'):
+    bnx.vmap(lambda x: x, axis_size=7)(X)
+  with pytest.raises(ValueError, match="argument 0: 5, keyword argument 'y': 2"):
+    bnx.vmap(lambda x, y: x)(X, y=jnp.ones(2))
+
+
+def test_mapped_scalar_and_nothing_mapped():
+  with pytest.raises(ValueError, match='argument 0 is a scalar'):
+    bnx.vmap(lambda x: x)(1.0)
+  with pytest.raises(ValueError, match='nothing is mapped'):
+    bnx.vmap(lambda x: x, in_axes=None)(X)
+
+
+def test_state_axis_out_of_range_is_a_value_error():
+  w = nnx.Param(jnp.ones(3))
+  with pytest.raises(ValueError, match=r"Param at \('w',\) is mapped on axis 2 \(state_in_axes\) but its value has shape \(3,\)"):
+    bnx.vmap(lambda x: x * w[...], state_in_axes={2: nnx.Param})(X)
+  model = MLP(3, 4, 2, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"Param at \(0, 'l1', 'bias'\) is mapped on axis 1 \(in_axes of argument 0\)"):
+    bnx.vmap(lambda m, x: m(x), in_axes=(1, None))(model, X)
+
+
+def test_in_axes_tuple_length_checked():
+  with pytest.raises(ValueError, match='length 1 but the function got 2'):
+    bnx.vmap(lambda a, b: a, in_axes=(0,))(X, X)
+
+
+def test_kwargs_are_mapped_on_axis_zero():
+  out = bnx.vmap(lambda x, *, y: x + y)(X, y=X)
+  np.testing.assert_allclose(out, 2 * X)
+
+
+# -- filters ---------------------------------------------------------------------
+
+
+class Pair(nnx.Module):
+  def __init__(self):
+    self.a = nnx.Param(jnp.arange(5.0))
+    self.b = nnx.Param(jnp.arange(5.0) * 10)
+    self.tagged = nnx.Variable(jnp.arange(5.0), tag='per_member')
+
+
+@pytest.mark.parametrize(
+  'spec',
+  [
+    lambda p: {0: nnx.PathContains('a'), None: ...},
+    lambda p: {0: p.a},
+    lambda p: {0: [p.a]},
+    lambda p: {0: lambda path, v: path[-1] == 'a', None: ...},
+    lambda p: {0: nnx.All(nnx.Param, nnx.Not(nnx.PathContains('b')))},
+    lambda p: {None: nnx.PathContains('b'), 0: nnx.Any(nnx.Param)},
+  ],
+  ids=['PathContains', 'instance', 'instance-list', 'callable', 'All/Not', 'order'],
+)
+def test_filters_select_the_mapped_variable(spec):
+  p = Pair()
+  out = bnx.vmap(lambda: p.a[...] + p.b[...].sum(), axis_size=5, state_in_axes=spec(p))()
+  np.testing.assert_allclose(out, jnp.arange(5.0) + 100.0)
+
+
+def test_tag_filter():
+  p = Pair()
+  out = bnx.vmap(lambda: p.tagged[...] * 2, axis_size=5, state_in_axes={0: 'per_member'})()
+  np.testing.assert_allclose(out, jnp.arange(5.0) * 2)
+
+
+def test_bad_filter_and_axis_key():
+  with pytest.raises(TypeError, match='axis keys must be int or None'):
+    bnx.vmap(lambda x: x, state_in_axes={'0': nnx.Param})
+  with pytest.raises(TypeError, match='is not a filter'):
+    bnx.vmap(lambda x: x, state_in_axes={0: 3.5})
+
+
+# -- randomness ------------------------------------------------------------------
+
+
+def test_rng_draws_are_independent_and_advance_once():
+  rngs = nnx.Rngs(0)
+  f = bnx.vmap(lambda: rngs.normal(()), axis_size=4)
+  first = f()
+  assert len(set(np.asarray(first).tolist())) == 4
+  assert int(rngs.default.count[...]) == 1
+  second = f()
+  assert not np.allclose(first, second) and int(rngs.default.count[...]) == 2
+  # oracle: the documented construction
+  keys = jax.random.split(jax.random.fold_in(jax.random.key(0), 0), 4)
+  np.testing.assert_allclose(first, jax.vmap(lambda k: jax.random.normal(jax.random.fold_in(k, 0), ()))(keys), rtol=1e-6)
+
+
+def test_rng_reseed_reproduces_and_cold_equals_warm():
+  rngs = nnx.Rngs(0)
+  f = bnx.vmap(lambda: rngs.normal(()), axis_size=4)
+  nnx.reseed(rngs, default=7)
+  a = f()
+  nnx.reseed(rngs, default=7)
+  np.testing.assert_array_equal(f(), a)
+
+  draw = lambda r: r.normal(())  # noqa: E731
+  warm = bnx.vmap(draw, in_axes=None, axis_size=4)
+  warm(nnx.Rngs(1))  # compiled and cached
+  cold = bnx.vmap(draw, in_axes=None, axis_size=4)(nnx.Rngs(7))
+  np.testing.assert_array_equal(warm(nnx.Rngs(7)), cold)
+
+
+def test_nested_vmap_draws_six_distinct():
+  rngs = nnx.Rngs(2)
+  out = bnx.vmap(lambda: bnx.vmap(lambda: rngs.normal(()), axis_size=3)(), axis_size=2)()
+  assert out.shape == (2, 3) and len(set(np.asarray(out).ravel().tolist())) == 6
+  assert int(rngs.default.count[...]) == 1
+
+
+def test_presplit_keys_are_used_as_given():
+  keys = jax.random.split(jax.random.key(3), 4)
+  stream = nnx.Rngs(keys)
+  out = bnx.vmap(lambda: stream.normal(()), axis_size=4, state_in_axes={0: nnx.RngState})()
+  ref = jax.vmap(lambda k: jax.random.normal(jax.random.fold_in(k, 0), ()))(keys)
+  np.testing.assert_allclose(out, ref, rtol=1e-6)
+  np.testing.assert_array_equal(stream.default.count[...], jnp.ones(4, jnp.uint32))
+
+
+def test_broadcast_stream_opt_out_gives_same_key():
+  rngs = nnx.Rngs(1)
+  out = bnx.vmap(lambda: rngs.normal(()), axis_size=3, state_in_axes={None: nnx.RngState})()
+  assert len(set(np.asarray(out).tolist())) == 1
+
+
+def test_dropout_masks_differ_per_element():
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+      return self.drop(x)
+
+  net = Net(nnx.Rngs(dropout=3))
+  masks = bnx.vmap(lambda x: net(x), in_axes=None, axis_size=6)(jnp.ones(16))
+  assert len({tuple(np.asarray(m).tolist()) for m in masks}) == 6
+  assert int(net.drop.rngs.count[...]) == 1
+
+
+# -- collectives, nesting, composition ----------------------------------------------
+
+
+def test_psum_and_axis_index_with_written_variable():
+  total = nnx.Variable(jnp.zeros(()))
+  seen = nnx.Variable(jnp.zeros((5,), jnp.int32))
+
+  def f(x):
+    total[...] += jax.lax.psum(x.sum(), 'i')
+    seen[...] = jax.lax.axis_index('i')
+    return x.sum() / jax.lax.psum(x.sum(), 'i')
+
+  out = bnx.vmap(f, axis_name='i', state_in_axes={0: seen})(X)
+
+  def pure(t, x):
+    return t + jax.lax.psum(x.sum(), 'i'), jax.lax.axis_index('i'), x.sum() / jax.lax.psum(x.sum(), 'i')
+
+  t_ref, seen_ref, out_ref = jax.vmap(pure, in_axes=(None, 0), out_axes=(None, 0, 0), axis_name='i')(0.0, X)
+  np.testing.assert_allclose(out, out_ref, rtol=1e-6)
+  np.testing.assert_allclose(total[...], t_ref, rtol=1e-6)
+  np.testing.assert_array_equal(seen[...], seen_ref)
+
+
+def test_nested_vmap_with_variables_at_both_levels():
+  w = nnx.Param(jnp.arange(6.0).reshape(2, 3))  # outer axis 0, inner axis 0 of the rest
+  b = nnx.Param(jnp.arange(2.0) * 100)  # outer only
+
+  def inner(x):
+    return x * w[...] + b[...]
+
+  def outer(x):
+    return bnx.vmap(inner, state_in_axes={0: w})(x)
+
+  out = bnx.vmap(outer, in_axes=None, axis_size=2, state_in_axes={0: nnx.Param})(jnp.ones(3))
+  ref = jax.vmap(lambda wi, bi: jax.vmap(lambda wij: 1.0 * wij + bi)(wi))(w[...], b[...])
+  np.testing.assert_allclose(out, ref)
+
+
+def test_gradient_through_vmap():
+  w = nnx.Param(jnp.array([1.0, 2.0, 3.0]))
+
+  def loss(x):
+    return bnx.vmap(lambda xi: jnp.sum(jnp.tanh(xi * w[...])))(x).sum()
+
+  def pure(wv, x):
+    return jax.vmap(lambda xi: jnp.sum(jnp.tanh(xi * wv)))(x).sum()
+
+  np.testing.assert_allclose(jax.grad(loss)(X), jax.grad(pure, argnums=1)(w[...], X), rtol=1e-5)
+
+
+def test_control_flow_inside_vmap():
+  total = nnx.Variable(jnp.zeros(()))
+
+  def f(x):
+    c, _ = jax.lax.scan(lambda c, xi: (c + xi, None), 0.0, x)
+    y = jax.lax.cond(c > 0, lambda: c, lambda: -c)
+    n = jax.lax.while_loop(lambda n: n < 3, lambda n: n + 1, 0)
+    carry, _ = bnx.scan(lambda c, xi: (c + xi, None), 0.0, x)
+    total[...] += 1.0
+    return y + n + carry
+
+  out = bnx.vmap(f)(X)
+  ref = jax.vmap(lambda x: jnp.abs(x.sum()) + 3 + x.sum())(X)
+  np.testing.assert_allclose(out, ref, rtol=1e-5)
+  assert float(total[...]) == 1.0
+
+
+def test_jit_of_vmap_traces_once_and_eager_replays():
+  ens = ensemble(4)
+  runs = []
+
+  def fwd(x):
+    runs.append(1)
+    return ens(x)
+
+  jf = bnx.jit(bnx.vmap(fwd, in_axes=None, state_in_axes={0: nnx.Param}))
+  jf(X), jf(X)
+  assert len(runs) == 1
+  eager = bnx.vmap(fwd, in_axes=None, state_in_axes={0: nnx.Param})
+  eager(X), eager(X), eager(X + 1)
+  assert len(runs) == 2
+
+
+def test_spmd_axis_name_is_passed_through():
+  out = bnx.vmap(lambda x: x * 2, spmd_axis_name='batch')(X)
+  np.testing.assert_allclose(out, 2 * X)
+
+
+def test_exception_inside_leaves_everything_exact():
+  ens = ensemble(4)
+  rngs = nnx.Rngs(5)
+  count = nnx.Variable(jnp.array(0))
+  before = (values_of(ens), values_of(rngs))
+
+  def f(x):
+    count[...] += 1
+    ens.l1.kernel[...] = ens.l1.kernel[...] * 0
+    rngs.normal(())
+    raise RuntimeError('inside vmap')
+
+  with pytest.raises(RuntimeError, match='inside vmap'):
+    bnx.vmap(f, in_axes=None, state_in_axes={0: nnx.Param})(X)
+  assert_same_values(before[0], values_of(ens))
+  assert_same_values(before[1], values_of(rngs))
+  assert int(count[...]) == 0 and no_tracers(ens) and no_tracers(rngs)
+  out = bnx.vmap(lambda x: ens(x), in_axes=None, state_in_axes={0: nnx.Param})(X)
+  assert out.shape == (4, 5, 2)
+
+
+# -- working with NNX inside ---------------------------------------------------------
+
+
+def _train_members_one_by_one(members, x, y, steps):
+  losses = []
+  for m in members:
+    opt = nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param)
+    for _ in range(steps):
+      loss, g = nnx.value_and_grad(lambda m: ((m(x) - y) ** 2).mean())(m)
+      opt.update(m, g)
+    losses.append(loss)
+  return jnp.stack(losses)
+
+
+def test_nnx_grad_and_optimizer_inside_vmap_match_a_loop_over_members():
+  y = jnp.ones((5, 2))
+  ens = ensemble(3)
+  members = [nnx.merge(*nnx.split(MLP(3, 4, 2, rngs=nnx.Rngs(0)))) for _ in range(3)]
+  for i, m in enumerate(members):
+    for name in ('l1', 'l2'):
+      getattr(m, name).kernel[...] = getattr(ens, name).kernel[i]
+      getattr(m, name).bias[...] = getattr(ens, name).bias[i]
+  opt = bnx.vmap(lambda m: nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param))(ens)
+
+  def step(m, o, x, y):
+    loss, g = nnx.value_and_grad(lambda m: ((m(x) - y) ** 2).mean())(m)
+    o.update(m, g)
+    return loss
+
+  train = bnx.jit(bnx.vmap(step, in_axes=(0, 0, None, None)))
+  for _ in range(4):
+    losses = train(ens, opt, X, y)
+  ref = _train_members_one_by_one(members, X, y, 4)
+  np.testing.assert_allclose(losses, ref, rtol=1e-5)
+  np.testing.assert_allclose(ens.l1.kernel[2], members[2].l1.kernel[...], rtol=1e-5)
+  np.testing.assert_array_equal(opt.step[...], [4, 4, 4])
+
+
+def test_nnx_grad_on_captured_module_inside_vmap():
+  ens = ensemble(3)
+  y = jnp.ones((5, 2))
+
+  def loss_grad(x):
+    return nnx.grad(lambda m: ((m(x) - y) ** 2).mean())(ens)['l1']['kernel'][...]
+
+  g = bnx.vmap(loss_grad, in_axes=None, state_in_axes={0: nnx.Param})(X)
+  ref = jax.vmap(jax.grad(lambda p: ((mlp_pure(p, X) - y) ** 2).mean()))(mlp_params(ens))['l1']['kernel']
+  np.testing.assert_allclose(g, ref, rtol=1e-5)
+
+
+def test_batchnorm_per_element_and_broadcast_error():
+  xs = jax.random.normal(jax.random.key(1), (4, 6, 3))
+  bns = bnx.vmap(lambda: nnx.BatchNorm(3, momentum=0.5, rngs=nnx.Rngs(0)), axis_size=4)()
+  bnx.vmap(lambda m, x: m(x))(bns, xs)
+  np.testing.assert_allclose(bns.mean[...], 0.5 * xs.mean(1), rtol=1e-5, atol=1e-6)
+  shared = nnx.BatchNorm(3, rngs=nnx.Rngs(0))
+  with pytest.raises(bnx.BatchAxisError, match=r"BatchStat at \('shared', 'mean'\)"):
+    bnx.vmap(lambda x: shared(x))(xs)
+  np.testing.assert_array_equal(shared.mean[...], jnp.zeros(3))
+
+
+# -- vmap_new_states -----------------------------------------------------------------
+
+
+def test_vmap_new_states_stacks_tags_and_excludes():
+  cell = nnx.Dict(w=nnx.Param(jnp.ones(3)))
+
+  @bnx.vmap_new_states(state_tag='hidden', state_to_exclude=nnx.Cache)
+  def init(x):
+    cell['h'] = nnx.Variable(x * cell['w'][...])
+    cell['c'] = nnx.Cache(cell['w'][...] * 2)  # the same for every element
+
+  init(X)
+  np.testing.assert_allclose(cell['h'][...], X)
+  assert cell['h'].tag == 'hidden' and cell['c'].shape == (3,)
+  assert no_tracers(cell)
+
+
+def test_vmap_new_states_excluded_batched_raises_and_bad_size():
+  cell = nnx.Dict(w=nnx.Param(jnp.ones(3)))
+
+  def init(x):
+    cell['c'] = nnx.Cache(x)
+
+  with pytest.raises(bnx.BatchAxisError, match='state_to_exclude'):
+    bnx.vmap_new_states(init, state_to_exclude=nnx.Cache)(X)
+  assert 'c' not in cell
+  with pytest.raises(ValueError, match='axis_size must be positive'):
+    bnx.vmap_new_states(init, axis_size=0)
+
+
+def test_plain_vmap_refuses_batched_new_variable():
+  cell = nnx.Dict(w=nnx.Param(jnp.ones(3)))
+  with pytest.raises(bnx.BatchAxisError, match='vmap_new_states'):
+    bnx.vmap(lambda x: cell.__setitem__('h', nnx.Variable(x)))(X)
+  assert 'h' not in cell and no_tracers(cell)
+
+
+# -- pmap and map ----------------------------------------------------------------------
+
+
+def test_pmap_on_four_devices_equals_vmap():
+  assert jax.local_device_count() >= 4
+  ens = ensemble(4)
+  v = bnx.vmap(lambda m, x: m(x), in_axes=(0, None))(ens, X)
+  p = bnx.pmap(lambda m, x: m(x), in_axes=(0, None))(ens, X)
+  np.testing.assert_allclose(v, p, rtol=1e-6)
+  r1, r2 = nnx.Rngs(5), nnx.Rngs(5)
+  np.testing.assert_allclose(
+    bnx.vmap(lambda: r1.normal(()), axis_size=4)(), bnx.pmap(lambda: r2.normal(()), axis_size=4)(), rtol=1e-6
+  )
+  count, acc = nnx.Variable(jnp.array(0)), nnx.Variable(jnp.zeros(()))
+  bnx.pmap(lambda x: count.set_value(count[...] + 1))(jnp.ones(4))
+  assert int(count[...]) == 1
+  with pytest.raises(bnx.BatchAxisError):
+    bnx.pmap(lambda x: acc.set_value(acc[...] + x))(jnp.arange(4.0))
+  total = nnx.Variable(jnp.zeros(()))
+  bnx.pmap(lambda x: total.set_value(total[...] + jax.lax.psum(x, 'd')), axis_name='d')(jnp.arange(4.0))
+  assert float(total[...]) == 6.0
+
+
+def test_map_sequential_writes_and_chunks_match():
+  xs = jnp.arange(14.0).reshape(7, 2)
+  seen = nnx.Variable(jnp.zeros(()))
+
+  def f(row):
+    seen[...] += 1
+    return row.sum() * 2
+
+  out = bnx.map(f, xs)
+  np.testing.assert_allclose(out, xs.sum(1) * 2)
+  assert float(seen[...]) == 7
+  np.testing.assert_allclose(bnx.map(lambda r: r.sum() * 2, xs, batch_size=3), xs.sum(1) * 2)
+  np.testing.assert_allclose(bnx.map(lambda r: r.sum() * 2, xs, batch_size=7), xs.sum(1) * 2)
+
+
+def test_map_rng_per_element_and_errors():
+  rngs = nnx.Rngs(0)
+  draws = bnx.map(lambda x: x + rngs.normal(()), jnp.zeros(6), batch_size=4)
+  assert len(set(np.asarray(draws).tolist())) == 6
+  seen = nnx.Variable(jnp.zeros(()))
+  with pytest.raises(ValueError, match=r"may not write Variable at \('seen',\)"):
+    bnx.map(lambda x: seen.set_value(x), jnp.zeros(6), batch_size=2)
+  with pytest.raises(ValueError, match='batch_size must be a positive int'):
+    bnx.map(lambda x: x, jnp.zeros(6), batch_size=0)
+  with pytest.raises(ValueError, match='scalar'):
+    bnx.map(lambda x: x, jnp.float32(1.0))
+  with pytest.raises(ValueError, match='different leading sizes'):
+    bnx.map(lambda x, y: x, jnp.zeros(3), jnp.zeros(4))
