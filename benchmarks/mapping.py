@@ -1,0 +1,79 @@
+"""Per-call cost of a jitted vmap over an 8-member ensemble.
+
+Run: ``python benchmarks/mapping.py`` (prints a markdown table).
+
+Model: MLP 32 -> 64 -> 32, 8 members stacked on axis 0, batch 16 shared.
+Variants, interleaved in one process:
+  raw jax.jit(jax.vmap(pure))       pure function of stacked arrays
+  brainnx jit(vmap) (closure)       ensemble captured, ``state_in_axes={0: nnx.Param}``
+  brainnx jit(vmap) (arg)           ensemble passed with ``in_axes=(0, None)``
+  brainnx vmap, eager               no outer jit: brainnx compiles it itself
+  nnx.jit(nnx.vmap)                 ensemble passed with ``in_axes=(0, None)``
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).parent))
+import brainnx as bnx  # noqa: E402
+from _timing import interleaved, table  # noqa: E402
+
+MEMBERS = 8
+
+
+class MLP(nnx.Module):
+  def __init__(self, rngs):
+    self.l1 = nnx.Linear(32, 64, rngs=rngs)
+    self.l2 = nnx.Linear(64, 32, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l2(jax.nn.relu(self.l1(x)))
+
+
+def pure(p, x):
+  h = jax.nn.relu(x @ p['l1']['kernel'] + p['l1']['bias'])
+  return h @ p['l2']['kernel'] + p['l2']['bias']
+
+
+def variants():
+  rngs = nnx.Rngs(0)
+  ens = bnx.vmap(lambda: MLP(rngs), axis_size=MEMBERS)()
+  x = jnp.ones((16, 32))
+  params = {n: {'kernel': getattr(ens, n).kernel[...], 'bias': getattr(ens, n).bias[...]} for n in ('l1', 'l2')}
+  raw = jax.jit(jax.vmap(pure, in_axes=(0, None)))
+  closure = bnx.jit(bnx.vmap(lambda x: ens(x), in_axes=None, state_in_axes={0: nnx.Param}))
+  arg = bnx.jit(bnx.vmap(lambda m, x: m(x), in_axes=(0, None)))
+  eager = bnx.vmap(lambda m, x: m(x), in_axes=(0, None))
+  flax_ens = nnx.merge(*nnx.split(ens))
+  nnx_fn = nnx.jit(nnx.vmap(lambda m, x: m(x), in_axes=(0, None)))
+  ref = raw(params, x)
+  for out in (closure(x), arg(ens, x), eager(ens, x), nnx_fn(flax_ens, x)):
+    assert jnp.allclose(out, ref, atol=1e-5), 'variants disagree'
+  return {
+    'raw jax.jit(jax.vmap)': lambda: raw(params, x),
+    'brainnx jit(vmap) (closure)': lambda: closure(x),
+    'brainnx jit(vmap) (arg)': lambda: arg(ens, x),
+    'brainnx vmap (eager)': lambda: eager(ens, x),
+    'nnx.jit(nnx.vmap)': lambda: nnx_fn(flax_ens, x),
+  }
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--rounds', type=int, default=30)
+  parser.add_argument('--calls', type=int, default=200)
+  args = parser.parse_args(argv)
+  print(f'jax {jax.__version__} on {jax.devices()[0].platform}\n')
+  results = interleaved(variants(), rounds=args.rounds, calls=args.calls)
+  print(table(f'{MEMBERS}-member ensemble forward, batch 16: per-call median', results, 'us', 'raw jax.jit(jax.vmap)'))
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,249 @@
+"""``grad`` and ``value_and_grad`` with respect to Variables (and arguments).
+
+The Variables to differentiate are taken out of the call as inputs of a pure
+function; every other Variable the function writes (batch statistics, RNG
+counts, counters) is written back after the call, as in the forward pass.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> import brainnx as bnx
+  >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+  >>> loss = lambda x: (model(x) ** 2).sum()
+  >>> grads = bnx.grad(loss, grad_states=model)(jnp.ones((4, 2)))
+  >>> sorted(grads), type(grads['kernel']).__name__
+  (['bias', 'kernel'], 'Param')
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from brainnx import _compat
+from brainnx._arguments import CallArgs
+from brainnx._discovery import Discovery, discover, is_graph_node, walk_new
+from brainnx._filters import to_filter
+from brainnx._jit import JittedFunction
+from brainnx._tracing import swapped, write_values
+
+__all__ = ['grad', 'value_and_grad']
+
+
+class _Targets:
+  """What to differentiate: Variables (with how to package their grads) and argnums."""
+
+  def __init__(self, spec, disc: Discovery, call_args: tuple, argnums):
+    self.variables: list = []  # unique Variables, in input order
+    self._pack_state = lambda grads: None
+    if spec is not None:
+      self._pack_state = self._resolve(spec, disc)
+    self.argnums = argnums
+    self.node_args = {}  # argnum -> pack function for graph-node arguments
+    for k in argnums or ():
+      if k >= len(call_args):
+        raise ValueError(f'grad: argnums={k} but the function got {len(call_args)} positional arguments')
+      if is_graph_node(call_args[k]):
+        self.node_args[k] = self._node(call_args[k])
+
+  def _index(self, variable) -> int:
+    for k, v in enumerate(self.variables):
+      if v is variable:
+        return k
+    self.variables.append(variable)
+    return len(self.variables) - 1
+
+  def _node(self, node):
+    if isinstance(node, nnx.Variable):
+      k = self._index(node)
+      return lambda grads: grads[k]
+    flat = list(nnx.to_flat_state(nnx.state(node, nnx.Param)))
+    slots = [(path, var, self._index(var)) for path, var in flat]
+    return lambda grads: nnx.from_flat_state([(path, var.copy(grads[k])) for path, var, k in slots])
+
+  def _resolve(self, spec, disc: Discovery):
+    if is_graph_node(spec):
+      return self._node(spec)
+    if isinstance(spec, dict) and spec and all(is_graph_node(v) for v in spec.values()):
+      packs = {key: self._node(v) for key, v in spec.items()}
+      return lambda grads: {key: pack(grads) for key, pack in packs.items()}
+    if isinstance(spec, (list, tuple)) and spec and all(is_graph_node(v) for v in spec):
+      packs = [self._node(v) for v in spec]
+      return lambda grads: type(spec)(pack(grads) for pack in packs)
+    predicate = to_filter(spec)
+    matched = [(p, v) for p, v in zip(disc.paths, disc.variables) if predicate(p, v)]
+    if not matched:
+      raise ValueError(f'grad: grad_states={spec!r} matches none of the Variables the function uses')
+    slots = [(path, var, self._index(var)) for path, var in matched]
+    return lambda grads: nnx.from_flat_state([(path, var.copy(grads[k])) for path, var, k in slots])
+
+  def check_differentiable(self, disc: Discovery) -> None:
+    for v in self.variables:
+      for leaf in jax.tree.leaves(_compat.raw_value(v)):
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+          i = disc.index_of(v)
+          where = disc.describe(i) if i is not None else type(v).__name__
+          raise TypeError(
+            f'grad: cannot differentiate with respect to {where} (dtype {dtype}): only '
+            'floating-point Variables have gradients; select them, e.g. grad_states=nnx.Param'
+          )
+
+  def pack_states(self, grads):
+    return self._pack_state(grads)
+
+
+def _grad_call(fun, grad_states, argnums, argnums_is_int, has_aux, args, kwargs):
+  """``(value, aux, state_grads, arg_grads)`` of one call; other writes applied."""
+  call = CallArgs.split(args, kwargs)
+  disc = discover(fun, args, kwargs)
+  targets = _Targets(grad_states, disc, args, argnums)
+  targets.check_differentiable(disc)
+  values = [_compat.raw_value(v) for v in disc.variables]
+  target_at = [disc.index_of(v) for v in targets.variables]
+  diff_args = tuple(k for k in (argnums or ()) if k not in targets.node_args)
+  for k in diff_args:
+    if call.kinds[k] != 'dyn':
+      raise TypeError(f'grad: argument {k} (argnums) must be arrays, not a container holding Modules')
+  side = {}
+
+  def pure(target_vals, arg_vals):
+    states = list(values)
+    for i, x in zip(target_at, target_vals):
+      if i is not None:
+        states[i] = x
+    new_args = list(args)
+    for k, x in zip(diff_args, arg_vals):
+      new_args[k] = x
+    dyn_call = CallArgs.split(tuple(new_args), kwargs)
+    with swapped(disc, states):
+      call_args, call_kwargs = dyn_call.rebuild(dyn_call.dyn, call.nodes)
+      out = fun(*call_args, **call_kwargs)
+      now = [_compat.raw_value(v) for v in disc.variables]
+      new_vars, _ = walk_new(disc.nodes, disc)
+      if new_vars:
+        raise ValueError('grad: the function creates Variables; create them before differentiating')
+    written = [i for i, (a, b) in enumerate(zip(now, states)) if a is not b]
+    side['written'] = written
+    if has_aux:
+      if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError('grad: with has_aux=True the function must return a pair (value, aux)')
+      value, aux = out
+    else:
+      value, aux = out, None
+    return value, (aux, [now[i] for i in written])
+
+  target_vals = [_compat.raw_value(v) for v in targets.variables]
+  arg_vals = [args[k] for k in diff_args]
+  (value, (aux, written_vals)), (g_states, g_args) = jax.value_and_grad(pure, argnums=(0, 1), has_aux=True)(
+    target_vals, arg_vals
+  )
+  write_values(disc, side['written'], written_vals)
+  state_grads = targets.pack_states(g_states)
+  arg_grads = None
+  if argnums is not None:
+    by_arg = dict(zip(diff_args, g_args))
+    by_arg.update({k: pack(g_states) for k, pack in targets.node_args.items()})
+    arg_grads = by_arg[argnums[0]] if argnums_is_int else tuple(by_arg[k] for k in argnums)
+  return value, aux, state_grads, arg_grads
+
+
+class GradFunction:
+  """The callable ``grad`` / ``value_and_grad`` return."""
+
+  def __init__(self, fun, grad_states, argnums, has_aux, return_value, with_value_first):
+    self.fun, self.grad_states, self.has_aux = fun, grad_states, has_aux
+    self.return_value, self.with_value_first = return_value, with_value_first
+    if argnums is None and grad_states is None:
+      argnums = 0
+    self.argnums_is_int = isinstance(argnums, int)
+    self.argnums = (argnums,) if isinstance(argnums, int) else (tuple(argnums) if argnums is not None else None)
+    functools.update_wrapper(self, fun, updated=())
+    self.__wrapped__ = fun
+    self._jitted = JittedFunction((fun, grad_states), (), (), (), {}, traced=self._impl)
+
+  def _impl(self, *args, **kwargs):
+    value, aux, state_grads, arg_grads = _grad_call(
+      self.fun, self.grad_states, self.argnums, self.argnums_is_int, self.has_aux, args, kwargs
+    )
+    if self.grad_states is not None and self.argnums is not None:
+      grads = (state_grads, arg_grads)
+    elif self.grad_states is not None:
+      grads = state_grads
+    else:
+      grads = arg_grads
+    if self.with_value_first:
+      return ((value, aux) if self.has_aux else value), grads
+    if self.return_value and self.has_aux:
+      return grads, value, aux
+    if self.return_value:
+      return grads, value
+    if self.has_aux:
+      return grads, aux
+    return grads
+
+  def __call__(self, *args, **kwargs):
+    if _compat.at_top_level():
+      return self._jitted(*args, **kwargs)
+    return self._impl(*args, **kwargs)
+
+
+def grad(
+  fun: Callable,
+  grad_states: Any = None,
+  argnums: int | Sequence[int] | None = None,
+  has_aux: bool = False,
+  return_value: bool = False,
+):
+  """Gradient of a scalar function with respect to Variables and/or arguments.
+
+  ``grad_states`` picks the Variables: a graph node (grads are an
+  ``nnx.State`` of its ``nnx.Param``s, ready for
+  ``nnx.Optimizer.update(model, grads)``), a tuple/list/dict of nodes (the
+  same container of States), a Variable or list of Variables (arrays), or a
+  filter over the Variables the function uses (an ``nnx.State`` keyed by
+  their paths). ``argnums`` adds positional arguments (a Module argument
+  gets a State of its Params, like ``nnx.grad``); with both, the result is
+  ``(state_grads, arg_grads)``. Without either, ``argnums=0``. Returns
+  ``grads``, or ``(grads, aux)`` / ``(grads, value)`` / ``(grads, value, aux)``
+  for ``has_aux`` / ``return_value``. Other Variables the function writes
+  keep their new values.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import brainnx as bnx
+    >>> w = nnx.Param(jnp.array([1.0, 2.0]))
+    >>> g, value = bnx.grad(lambda x: (w[...] * x).sum() ** 2, grad_states=w, return_value=True)(jnp.ones(2))
+    >>> g.tolist(), float(value)
+    ([6.0, 6.0], 9.0)
+  """
+  if not callable(fun):
+    raise TypeError(f'grad needs a callable, got {type(fun).__name__}')
+  return GradFunction(fun, grad_states, argnums, has_aux, return_value, with_value_first=False)
+
+
+def value_and_grad(
+  fun: Callable,
+  grad_states: Any = None,
+  argnums: int | Sequence[int] | None = None,
+  has_aux: bool = False,
+):
+  """``(value, grads)`` (``((value, aux), grads)`` with ``has_aux``), as :func:`grad`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import brainnx as bnx
+    >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    >>> loss, grads = bnx.value_and_grad(lambda x: model(x).mean(), grad_states=model)(jnp.ones((2, 3)))
+    >>> grads['bias'][...].tolist()
+    [1.0]
+  """
+  if not callable(fun):
+    raise TypeError(f'value_and_grad needs a callable, got {type(fun).__name__}')
+  return GradFunction(fun, grad_states, argnums, has_aux, False, with_value_first=True)
