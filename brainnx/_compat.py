@@ -19,6 +19,7 @@ __all__ = [
     'is_batched_here',
     'raw_value',
     'set_raw_value',
+  'set_raw_values',
     'set_node_trace_state',
     'get_node_trace_state',
     'new_trace_state',
@@ -44,6 +45,13 @@ def set_raw_value(variable, value) -> None:
   (eager write-back of a compiled result, or restoring a pre-call value).
   """
   object.__setattr__(variable, '_raw_value', value)
+
+
+def set_raw_values(variables, values) -> None:
+  """``set_raw_value`` for many Variables at once (the jit write-back loop)."""
+  store = object.__setattr__
+  for variable, value in zip(variables, values):
+    store(variable, '_raw_value', value)
 
 
 # -- trace levels --------------------------------------------------------------

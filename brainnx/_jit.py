@@ -42,7 +42,6 @@ _ARRAY_IMPL = type(jnp.zeros(()))
 _FAST_DYN = (_ARRAY_IMPL, int, float, bool, complex)
 _tls = threading.local()
 _raw_value = _compat.raw_value
-_set_raw_value = _compat.set_raw_value
 
 
 class _Packed:
@@ -245,9 +244,7 @@ def _run(plan: _Plan, dyn: tuple):
 def _write(plan: _Plan, written: dict) -> None:
   values = written.values()
   if type(next(iter(values))) is _ARRAY_IMPL:  # concrete: we run eagerly, the write is ours
-    variables = plan.variables
-    for i, x in written.items():
-      _set_raw_value(variables[i], x)
+    _compat.set_raw_values(map(plan.variables.__getitem__, written), values)
   else:
     write_values(plan.disc, tuple(written), tuple(values))
 

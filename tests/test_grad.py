@@ -1,0 +1,166 @@
+"""grad / value_and_grad against jax.grad on the pure function."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import brainnx as bnx
+from helpers import MLP, mlp_params, mlp_pure, no_tracers
+
+X = jax.random.normal(jax.random.key(0), (6, 3))
+Y = jax.random.normal(jax.random.key(1), (6, 2))
+
+
+def pure_loss(p, x=X):
+  return ((mlp_pure(p, x) - Y) ** 2).mean()
+
+
+def assert_grads_match(state, ref):
+  for layer in ('l1', 'l2'):
+    for name in ('kernel', 'bias'):
+      np.testing.assert_allclose(state[layer][name][...], ref[layer][name], rtol=1e-5, atol=1e-7)
+
+
+@pytest.fixture
+def model():
+  return MLP(3, 5, 2, rngs=nnx.Rngs(0))
+
+
+def test_grad_of_graph_node_is_a_param_state(model):
+  g = bnx.grad(lambda x: ((model(x) - Y) ** 2).mean(), grad_states=model)(X)
+  assert isinstance(g, nnx.State) and isinstance(g['l1']['kernel'], nnx.Param)
+  assert g['l1']['kernel'] is not model.l1.kernel
+  assert_grads_match(g, jax.grad(pure_loss)(mlp_params(model)))
+
+
+def test_optimizer_update_accepts_grads_as_is(model):
+  ref_params = mlp_params(model)
+  tx = optax.adam(1e-2)
+  opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  ref_state = tx.init(ref_params)
+
+  @bnx.jit
+  def step(x):
+    loss, grads = bnx.value_and_grad(lambda x: ((model(x) - Y) ** 2).mean(), grad_states=model)(x)
+    opt.update(model, grads)
+    return loss
+
+  for _ in range(3):
+    loss = step(X)
+    ref_loss, g = jax.value_and_grad(pure_loss)(ref_params)
+    updates, ref_state = tx.update(g, ref_state, ref_params)
+    ref_params = optax.apply_updates(ref_params, updates)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  np.testing.assert_allclose(model.l2.kernel[...], ref_params['l2']['kernel'], rtol=1e-5)
+  assert int(opt.step[...]) == 3
+
+
+def test_containers_of_nodes_variables_and_filters(model):
+  other = MLP(3, 5, 2, rngs=nnx.Rngs(1))
+
+  def loss(x):
+    return ((model(x) - Y) ** 2).mean() + ((other(x) - Y) ** 2).mean()
+
+  ref_a = jax.grad(pure_loss)(mlp_params(model))
+  ref_b = jax.grad(pure_loss)(mlp_params(other))
+  a, b = bnx.grad(loss, grad_states=(model, other))(X)
+  assert_grads_match(a, ref_a)
+  assert_grads_match(b, ref_b)
+  d = bnx.grad(loss, grad_states={'m': model, 'o': other})(X)
+  assert_grads_match(d['o'], ref_b)
+  k = bnx.grad(loss, grad_states=model.l1.kernel)(X)
+  np.testing.assert_allclose(k, ref_a['l1']['kernel'], rtol=1e-5)
+  ks = bnx.grad(loss, grad_states=[model.l1.kernel, other.l2.bias])(X)
+  assert isinstance(ks, list)
+  np.testing.assert_allclose(ks[1], ref_b['l2']['bias'], rtol=1e-5)
+  by_filter = bnx.grad(loss, grad_states=nnx.All(nnx.Param, nnx.PathContains('other')))(X)
+  assert list(by_filter) == ['other']
+  assert_grads_match(by_filter['other'], ref_b)
+
+
+def test_argnums_alone_and_with_states(model):
+  def loss(m, x):
+    return ((m(x) - Y) ** 2).mean()
+
+  g_model = bnx.grad(loss, argnums=0)(model, X)
+  assert_grads_match(g_model, jax.grad(pure_loss)(mlp_params(model)))
+  g_x = bnx.grad(lambda x: ((model(x) - Y) ** 2).mean())(X)  # default argnums=0
+  np.testing.assert_allclose(g_x, jax.grad(lambda x: pure_loss(mlp_params(model), x))(X), rtol=1e-5)
+  states, (gx,) = bnx.grad(lambda x: ((model(x) - Y) ** 2).mean(), grad_states=model, argnums=(0,))(X)
+  np.testing.assert_allclose(gx, g_x, rtol=1e-6)
+  assert_grads_match(states, jax.grad(pure_loss)(mlp_params(model)))
+
+
+def test_has_aux_return_value_and_value_and_grad(model):
+  def loss(x):
+    out = model(x)
+    return ((out - Y) ** 2).mean(), out.sum()
+
+  ref_v, ref_g = jax.value_and_grad(lambda p: pure_loss(p))(mlp_params(model))
+  g, aux = bnx.grad(loss, grad_states=model, has_aux=True)(X)
+  np.testing.assert_allclose(aux, mlp_pure(mlp_params(model), X).sum(), rtol=1e-5)
+  g, v, aux = bnx.grad(loss, grad_states=model, has_aux=True, return_value=True)(X)
+  np.testing.assert_allclose(v, ref_v, rtol=1e-6)
+  (v2, aux2), g2 = bnx.value_and_grad(loss, grad_states=model, has_aux=True)(X)
+  np.testing.assert_allclose(v2, ref_v, rtol=1e-6)
+  assert_grads_match(g2, ref_g)
+  with pytest.raises(TypeError, match='must return a pair'):
+    bnx.grad(lambda x: model(x).sum(), grad_states=model, has_aux=True)(X)
+
+
+def test_other_writes_are_kept():
+  bn = nnx.BatchNorm(3, momentum=0.5, rngs=nnx.Rngs(0))
+  count = nnx.Variable(jnp.array(0))
+
+  def loss(x):
+    count[...] += 1
+    return bn(x).sum()
+
+  bnx.grad(loss, grad_states=nnx.Param)(X)
+  np.testing.assert_allclose(bn.mean[...], 0.5 * X.mean(0), rtol=1e-5)
+  assert int(count[...]) == 1 and no_tracers(bn)
+
+
+def test_non_differentiable_selection_is_named():
+  rngs = nnx.Rngs(0)
+  steps = nnx.Variable(jnp.array(3))
+  with pytest.raises(TypeError, match=r"RngKey at \('rngs', 'default', 'key'\)"):
+    bnx.grad(lambda: rngs.normal(()), grad_states=nnx.RngState)()
+  with pytest.raises(TypeError, match=r"Variable at \('steps',\) \(dtype int32\)"):
+    bnx.grad(lambda: steps[...] * 2.0, grad_states=steps)()
+  with pytest.raises(ValueError, match='matches none'):
+    bnx.grad(lambda: steps[...] * 2.0, grad_states=nnx.BatchStat)()
+
+
+def test_composes_with_vmap_and_scan(model):
+  ens = bnx.vmap(lambda: MLP(3, 5, 2, rngs=nnx.Rngs(0)), axis_size=3)()
+  g = bnx.vmap(
+    lambda x: bnx.grad(lambda x: ((ens(x) - Y) ** 2).mean(), grad_states=ens)(x), in_axes=None, state_in_axes={0: nnx.Param}
+  )(X)
+  ref = jax.vmap(jax.grad(pure_loss))(mlp_params(ens))
+  np.testing.assert_allclose(g['l1']['kernel'][...], ref['l1']['kernel'], rtol=1e-5)
+
+  xs = jnp.stack([X, X * 2])
+
+  def seq_loss(xs):
+    total, _ = bnx.scan(lambda c, x: (c + ((model(x) - Y) ** 2).mean(), None), 0.0, xs)
+    return total
+
+  g = bnx.grad(seq_loss, grad_states=model)(xs)
+  ref = jax.grad(lambda p: pure_loss(p, X) + pure_loss(p, 2 * X))(mlp_params(model))
+  assert_grads_match(g, ref)
+
+
+def test_eager_grad_replays_compiled(model):
+  runs = []
+
+  def loss(x):
+    runs.append(1)
+    return model(x).sum()
+
+  g = bnx.grad(loss, grad_states=model)
+  g(X), g(X)
+  assert len(runs) == 1
