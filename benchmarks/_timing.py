@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 from typing import Callable
@@ -14,24 +13,35 @@ def block(x):
   return jax.block_until_ready(x)
 
 
+class Timing(float):
+  """A per-call median (µs) that also carries the 10th percentile (``.p10``)."""
+
+  p10: float
+
+
 def interleaved(variants: dict[str, Callable[[], object]], *, rounds: int = 30, calls: int = 200) -> dict[str, float]:
-  """Median over ``rounds`` of the per-call time (µs) of each variant, variants interleaved."""
+  """Per-call time (µs) of each variant: the median over ``rounds`` interleaved rounds.
+
+  Each result also has ``.p10``, the 10th percentile, which a busy machine
+  disturbs less than the median.
+  """
   for fn in variants.values():  # warm
     for _ in range(5):
       block(fn())
   samples: dict[str, list[float]] = {name: [] for name in variants}
-  gc.disable()
-  try:
-    for _ in range(rounds):
-      for name, fn in variants.items():
-        t0 = time.perf_counter()
-        for _ in range(calls):
-          out = fn()
-        block(out)
-        samples[name].append((time.perf_counter() - t0) / calls * 1e6)
-  finally:
-    gc.enable()
-  return {name: statistics.median(s) for name, s in samples.items()}
+  for _ in range(rounds):
+    for name, fn in variants.items():
+      t0 = time.perf_counter()
+      for _ in range(calls):
+        out = fn()
+      block(out)
+      samples[name].append((time.perf_counter() - t0) / calls * 1e6)
+  results = {}
+  for name, s in samples.items():
+    t = Timing(statistics.median(s))
+    t.p10 = sorted(s)[len(s) // 10]
+    results[name] = t
+  return results
 
 
 def first_calls(makers: dict[str, Callable[[], Callable[[], object]]], *, trials: int = 5) -> dict[str, float]:
@@ -48,7 +58,16 @@ def first_calls(makers: dict[str, Callable[[], Callable[[], object]]], *, trials
 
 def table(title: str, results: dict[str, float], unit: str, baseline: str) -> str:
   base = results[baseline]
-  lines = [f'### {title}', '', f'| variant | {unit} | ratio to {baseline} |', '|---|---:|---:|']
+  with_p10 = all(hasattr(v, 'p10') for v in results.values())
+  head = f'| variant | {unit} (median) | ratio to {baseline} |'
+  rule = '|---|---:|---:|'
+  if with_p10:
+    head += f' {unit} (p10) | p10 ratio |'
+    rule += '---:|---:|'
+  lines = [f'### {title}', '', head, rule]
   for name, value in results.items():
-    lines.append(f'| {name} | {value:.1f} | {value / base:.2f}x |')
+    line = f'| {name} | {value:.1f} | {value / base:.2f}x |'
+    if with_p10:
+      line += f' {value.p10:.1f} | {value.p10 / base.p10:.2f}x |'
+    lines.append(line)
   return '\n'.join(lines)

@@ -96,8 +96,8 @@ def first_call_makers(depth: int):
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--rounds', type=int, default=30)
-  parser.add_argument('--calls', type=int, default=200)
+  parser.add_argument('--rounds', type=int, default=40)
+  parser.add_argument('--calls', type=int, default=500)
   parser.add_argument('--deep', type=int, default=100, help='depth of the deep stack')
   args = parser.parse_args(argv)
   print(f'jax {jax.__version__}, flax {nnx.__name__} on {jax.devices()[0].platform}\n')
@@ -108,7 +108,7 @@ def main(argv=None) -> None:
   print()
   print(table('2-layer MLP: first call (trace + compile)', first, 'ms', 'raw jax.jit'))
 
-  deep = interleaved(variants(args.deep), rounds=max(5, args.rounds // 3), calls=max(20, args.calls // 4))
+  deep = interleaved(variants(args.deep), rounds=max(10, args.rounds // 4), calls=max(10, args.calls // 4))
   print()
   print(table(f'{args.deep}-layer stack: per-call median', deep, 'us', 'raw jax.jit'))
   extra_vars = 2 * (args.deep - 2)

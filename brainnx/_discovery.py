@@ -89,7 +89,7 @@ class Guard:
   (Variables, Modules, containers holding them) by identity.
   """
 
-  __slots__ = ('_cells', '_globals', '_views', '_values', '_graph_at', '_graph_values')
+  __slots__ = ('_cells', '_globals', '_views', '_values', '_graph_at', '_graph_values', 'ok')
 
   def __init__(self, cells, globals_, containers, masks):
     self._cells = tuple(cells)  # (cell, object)
@@ -105,23 +105,34 @@ class Guard:
       self._graph_at = operator.itemgetter(*at) if at else (lambda values: ())
     self._graph_values = self._graph_at(self._values)
 
-  def ok(self) -> bool:
-    try:
-      for cell, obj in self._cells:
-        if cell.cell_contents is not obj:
+    self.ok = self._make_check()
+
+  def _make_check(self):
+    """``ok()`` as a closure over locals: this runs on every warm call."""
+    cells, namespaces, views = self._cells, self._globals, self._views
+    values, graph_at, graph_values = self._values, self._graph_at, self._graph_values
+    chain, is_ = _chain, operator.is_
+
+    def ok() -> bool:
+      if cells:
+        try:
+          for cell, obj in cells:
+            if cell.cell_contents is not obj:
+              return False
+        except ValueError:  # a cell was emptied
           return False
-    except ValueError:  # a cell was emptied
-      return False
-    for namespace, name, obj in self._globals:
-      if namespace.get(name) is not obj:
+      for namespace, name, obj in namespaces:
+        if namespace.get(name) is not obj:
+          return False
+      now = [*chain(views)]
+      try:
+        if now != values:
+          return False
+      except Exception:  # an array compared with an array: no single truth value
         return False
-    now = [*_chain(self._views)]
-    try:
-      if now != self._values:
-        return False
-    except Exception:  # an array compared with an array: no single truth value
-      return False
-    return all(map(operator.is_, self._graph_at(now), self._graph_values))
+      return all(map(is_, graph_at(now), graph_values))
+
+    return ok
 
 
 _chain = itertools.chain.from_iterable

@@ -65,7 +65,7 @@ class _Plan:
 
   __slots__ = (
     'disc', 'call', 'compiled', 'variables', 'n_args', 'kw_names',
-    'node_slots', 'node_objs', 'static_slots', 'static_vals', 'dyn_slots', 'fast',
+    'node_slots', 'node_objs', 'static_slots', 'static_vals', 'dyn_slots', 'fast', 'warm',
   )
 
   def __init__(self, disc: Discovery, call: CallArgs, compiled):
@@ -79,21 +79,10 @@ class _Plan:
     self.static_vals = tuple(v for _, v in call.statics)
     self.dyn_slots = tuple(s for s, k in enumerate(kinds) if k == 'dyn')
     self.fast = 'mixed' not in kinds
+    self.warm = _warm_call(self)
 
   def match(self, args: tuple, kwargs: dict):
     """The dynamic values for this call if the plan applies, else ``None``."""
-    if kwargs or self.kw_names or not self.fast:
-      return self._match_general(args, kwargs)
-    if len(args) != self.n_args:
-      return None
-    if self.node_slots or self.static_slots:
-      return self._match_general(args, kwargs)
-    for x in args:
-      if type(x) not in _FAST_DYN and contains_graph_node(x):
-        return None
-    return args if self.disc.guard.ok() else None
-
-  def _match_general(self, args: tuple, kwargs: dict):
     if not self.fast or len(args) != self.n_args or tuple(kwargs) != self.kw_names:
       return None
     if kwargs:
@@ -109,6 +98,63 @@ class _Plan:
       if type(x) not in _FAST_DYN and contains_graph_node(x):
         return None
     return dyn if self.disc.guard.ok() else None
+
+
+def _warm_call(plan: _Plan):
+  """``warm(args, kwargs)``: the call if ``plan`` applies, else ``_MISS``.
+
+  A closure over locals, specialised for the common shapes (dynamic
+  positional arguments only; graph nodes then dynamic arguments), because
+  every attribute lookup here is paid on every call.
+  """
+  guard, compiled, variables, n = plan.disc.guard.ok, plan.compiled, plan.variables, plan.n_args
+  raw, tls, fast_dyn = _raw_value, _tls, _FAST_DYN
+
+  def finish(result):
+    if type(result) is tuple:
+      written, out = result
+      if written:
+        _write(plan, written)
+      return out
+    return _finish(plan, result)
+
+  if plan.fast and not plan.kw_names and not plan.static_slots:
+    node_pairs = tuple(zip(plan.node_slots, plan.node_objs))
+    dyn_slots = plan.dyn_slots
+    simple = not node_pairs
+
+    def warm(args, kwargs):
+      if kwargs or len(args) != n:
+        return _MISS
+      for s, obj in node_pairs:
+        if args[s] is not obj:
+          return _MISS
+      dyn = args if simple else tuple([args[s] for s in dyn_slots])
+      for x in dyn:
+        if type(x) not in fast_dyn and contains_graph_node(x):
+          return _MISS
+      if not guard():
+        return _MISS
+      tls.plan = plan
+      return finish(compiled(list(map(raw, variables)), *dyn))
+
+    return warm
+
+  def warm_general(args, kwargs):
+    dyn = plan.match(args, kwargs)
+    if dyn is None:
+      return _MISS
+    tls.plan = plan
+    return finish(compiled(list(map(raw, variables)), *dyn))
+
+  return warm_general
+
+
+_MISS = object()
+
+
+def _cold(args, kwargs):
+  return _MISS
 
 
 class JittedFunction:
@@ -130,24 +176,15 @@ class JittedFunction:
     )
     self._compiled: dict = {}
     self._plans = LRUCache(16)
-    self._last: _Plan | None = None
+    self._warm = _cold
     self._lock = threading.Lock()
 
   # -- calling ----------------------------------------------------------------
 
   def __call__(self, *args, **kwargs):
-    plan = self._last
-    if plan is not None:
-      dyn = plan.match(args, kwargs)
-      if dyn is not None:
-        _tls.plan = plan
-        result = plan.compiled(list(map(_raw_value, plan.variables)), *dyn)
-        if type(result) is tuple:
-          written, out = result
-          if written:
-            _write(plan, written)
-          return out
-        return _finish(plan, result)
+    out = self._warm(args, kwargs)
+    if out is not _MISS:
+      return out
     return _run(*self._plan_for(args, kwargs))
 
   def _plan_for(self, args, kwargs) -> tuple[_Plan, tuple]:
@@ -157,14 +194,14 @@ class JittedFunction:
     if plan is not None and plan.disc.guard.ok():
       plan_call = plan.call
       if all(a is b for a, b in zip(plan_call.nodes, call.nodes)):
-        self._last = plan
+        self._warm = plan.warm
         return plan, call.dyn
     disc = discover(self._fun, args, kwargs)
     _check_no_leaked_tracers(disc)
     compiled = self._compiled_for(disc, call)
     plan = _Plan(disc, call, compiled)
     self._plans.set(key, plan)
-    self._last = plan
+    self._warm = plan.warm
     return plan, call.dyn
 
   def _compiled_for(self, disc: Discovery, call: CallArgs):
@@ -194,7 +231,7 @@ class JittedFunction:
         compiled.clear_cache()
       self._compiled.clear()
     self._plans.clear()
-    self._last = None
+    self._warm = _cold
     self.stateful_fun.clear_cache()
 
   def __repr__(self) -> str:
