@@ -86,7 +86,7 @@ class ProgressBar:
   # -- host side ---------------------------------------------------------------
 
   def _open(self, n: int) -> np.int32:
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     with self._lock:
       run = next(self._ids)
