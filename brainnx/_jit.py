@@ -110,14 +110,6 @@ def _warm_call(plan: _Plan):
   guard, compiled, variables, n = plan.disc.guard.ok, plan.compiled, plan.variables, plan.n_args
   raw, tls, fast_dyn = _raw_value, _tls, _FAST_DYN
 
-  def finish(result):
-    if type(result) is tuple:
-      written, out = result
-      if written:
-        _write(plan, written)
-      return out
-    return _finish(plan, result)
-
   if plan.fast and not plan.kw_names and not plan.static_slots:
     node_pairs = tuple(zip(plan.node_slots, plan.node_objs))
     dyn_slots = plan.dyn_slots
@@ -136,7 +128,7 @@ def _warm_call(plan: _Plan):
       if not guard():
         return _MISS
       tls.plan = plan
-      return finish(compiled(list(map(raw, variables)), *dyn))
+      return _complete(plan, compiled(list(map(raw, variables)), *dyn))
 
     return warm
 
@@ -145,7 +137,7 @@ def _warm_call(plan: _Plan):
     if dyn is None:
       return _MISS
     tls.plan = plan
-    return finish(compiled(list(map(raw, variables)), *dyn))
+    return _complete(plan, compiled(list(map(raw, variables)), *dyn))
 
   return warm_general
 
@@ -174,7 +166,7 @@ class JittedFunction:
     self.stateful_fun = StatefulFunction(
       traced or fun, self._static_argnums, self._static_argnames, name=getattr(fun, '__name__', None)
     )
-    self._compiled: dict = {}
+    self._compiled = LRUCache(64)
     self._plans = LRUCache(16)
     self._warm = _cold
     self._lock = threading.Lock()
@@ -214,8 +206,16 @@ class JittedFunction:
           donate_argnums=_donated_positions(call, self._donate_argnums),
           **self._jit_kwargs,
         )
-        self._compiled[key] = compiled
+        self._compiled.set(key, compiled)
     return compiled
+
+  def cache_sizes(self) -> dict:
+    """Sizes of the plan, compiled-program and trace caches (all bounded)."""
+    return {
+      'plans': len(self._plans),
+      'compiled': len(self._compiled),
+      'traces': len(self.stateful_fun._cache),
+    }
 
   def lower(self, *args, **kwargs):
     """``jax.stages.Lowered`` for these arguments (states become leading inputs)."""
@@ -227,8 +227,6 @@ class JittedFunction:
   def clear_cache(self) -> None:
     """Forget plans, compiled programs and traces (the next call retraces)."""
     with self._lock:
-      for compiled in self._compiled.values():
-        compiled.clear_cache()
       self._compiled.clear()
     self._plans.clear()
     self._warm = _cold
@@ -262,14 +260,18 @@ def _body(sf: StatefulFunction, state: list, *dyn):
   # A dict keyed by Variable index carries the written set in the output's
   # (C++-native) tree structure, so a cache hit needs no Python unflatten.
   written = dict(zip(trace.written, written))
-  if trace.new_vars or trace.out_spec.has_nodes:
+  if trace.new_vars or trace.out_spec.has_nodes or trace.closed.effects:
     return _Packed(written, new, out_leaves, trace)
   return written, trace.out_spec.rebuild(out_leaves, plan.disc)
 
 
 def _run(plan: _Plan, dyn: tuple):
   _tls.plan = plan
-  result = plan.compiled(list(map(_raw_value, plan.variables)), *dyn)
+  return _complete(plan, plan.compiled(list(map(_raw_value, plan.variables)), *dyn))
+
+
+def _complete(plan: _Plan, result):
+  """Write a compiled call's results back; return its output."""
   if type(result) is tuple:
     written, out = result
     if written:
@@ -287,6 +289,10 @@ def _write(plan: _Plan, written: dict) -> None:
 
 
 def _finish(plan: _Plan, packed: _Packed):
+  if packed.trace.closed.effects:
+    # A host callback may fail while the program runs asynchronously; wait for it,
+    # so that a failure raises here, before any Variable is written.
+    jax.block_until_ready((packed.written, packed.new, packed.out))
   if packed.written:
     _write(plan, packed.written)
   trace = packed.trace

@@ -38,7 +38,7 @@ from brainnx._filters import AxisRules, BatchAxisError, describe
 from brainnx._jit import JittedFunction
 from brainnx._outputs import split_output
 from brainnx._rng import advanced_count, split_per_element
-from brainnx._tracing import adopt_new, swapped, write_values
+from brainnx._tracing import adopt_new, drop_new_attributes, park_new, swapped, write_values
 
 __all__ = ['vmap', 'vmap_new_states', 'MappedFunction', 'MapConfig']
 
@@ -245,7 +245,13 @@ def _layout(cfg: MapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs
     )
   if len(distinct) > 1:
     listing = ', '.join(f'{where}: {s}' for s, where in sizes)
-    raise ValueError(f'{cfg.mapper}: inconsistent batch sizes {distinct} ({listing})')
+    hint = ''
+    if any(src.startswith('in_axes of argument') for src in sources):
+      hint = (
+        '. A Module passed with an int in_axes is mapped whole: every Variable in it needs that '
+        'batch axis. Pass in_axes=None for it to broadcast it, or map only some Variables with state_in_axes'
+      )
+    raise ValueError(f'{cfg.mapper}: inconsistent batch sizes {distinct} ({listing}){hint}')
   return _Layout(axes, split, tuple(dyn_axes), distinct[0])
 
 
@@ -307,6 +313,9 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
   call = CallArgs.split(args, kwargs, cfg.static_argnums)
   disc = discover(cfg.fn, args, kwargs)
   layout = _layout(cfg, disc, call, args, kwargs)
+  dyn_in = call.dyn
+  # jax caches pmapped functions by identity, keeping ``body`` alive: it must not hold tracers
+  call = dataclasses.replace(call, dyn=())
   values = [_compat.raw_value(v) for v in disc.variables]
   state_in = list(values)
   for k, c in layout.split_streams:
@@ -326,6 +335,7 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
       out_spec, out_leaves = split_output(out, disc, new_nodes)
       written = [i for i, (a, b) in enumerate(zip(now, states)) if a is not b and i not in stream_vars]
       new_values = [_compat.raw_value(v) for v in new_vars]
+      park_new(new_vars)
       if 'decided' in side:  # pmap: decisions come from the abstract vmap pass
         if side['decided']['written'] != written:
           raise RuntimeError(f'{cfg.mapper}: the function wrote different Variables on its second trace')
@@ -346,14 +356,14 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
 
   try:
     if cfg.mapper == 'pmap':
-      jax.eval_shape(_vmap_of(cfg, layout, body), state_in, call.dyn)
-      _detach(disc, side.get('new_vars', ()), side.get('new_nodes', ()))
+      jax.eval_shape(_vmap_of(cfg, layout, body), state_in, dyn_in)
+      drop_new_attributes(disc, side.get('new_vars', ()), side.get('new_nodes', ()))
       run = _pmap_of(cfg, layout, body)
     else:
       run = _vmap_of(cfg, layout, body)
-    written_vals, new_vals, out_leaves = run(state_in, call.dyn)
+    written_vals, new_vals, out_leaves = run(state_in, dyn_in)
   except BaseException:
-    _detach(disc, side.get('new_vars', ()), side.get('new_nodes', ()))
+    drop_new_attributes(disc, side.get('new_vars', ()), side.get('new_nodes', ()))
     raise
   decided = side['decided']
   write_values(disc, decided['written'], [_place(v, a) for v, a in zip(written_vals, decided['placement'])])
@@ -386,14 +396,6 @@ def _new_var_axis(cfg: MapConfig, exclude, variable, batched: bool):
   return 0
 
 
-def _detach(disc: Discovery, new_vars, new_nodes) -> None:
-  new_ids = {id(x) for x in (*new_vars, *new_nodes)}
-  for n in disc.nodes:
-    attrs = vars(n)
-    for name in [k for k, v in attrs.items() if id(v) in new_ids]:
-      del attrs[name]
-
-
 def _vmap_of(cfg: MapConfig, layout: _Layout, body):
   return jax.vmap(
     body,
@@ -420,6 +422,33 @@ def _check_policy(policy: str) -> str:
   if policy not in _POLICIES:
     raise ValueError(f"unexpected_out_state_mapping must be one of {_POLICIES}, got {policy!r}")
   return policy
+
+
+def build_mapped(transform: Callable, fn, options: dict, **extra) -> Any:
+  """``transform``'s result: a decorator when ``fn`` is None, else a MappedFunction.
+
+  ``options`` are the public keyword arguments of the transform (its
+  ``locals()``); ``extra`` are MapConfig fields it fixes itself.
+  """
+  if fn is None:
+    return functools.partial(transform, **options)
+  name = getattr(transform, '__name__', 'transform')
+  if not callable(fn):
+    raise TypeError(f'{name} needs a callable, got {type(fn).__name__}')
+  return MappedFunction(
+    MapConfig(
+      fn=fn,
+      in_axes=options['in_axes'],
+      out_axes=options['out_axes'],
+      axis_name=options['axis_name'],
+      axis_size=options['axis_size'],
+      spmd_axis_name=options.get('spmd_axis_name'),
+      state_in=AxisRules(options['state_in_axes'], 'state_in_axes'),
+      state_out=AxisRules(options['state_out_axes'], 'state_out_axes'),
+      policy=_check_policy(options['unexpected_out_state_mapping']),
+      **extra,
+    )
+  )
 
 
 def vmap(
@@ -461,33 +490,8 @@ def vmap(
     >>> ensemble.kernel.shape
     (4, 2, 3)
   """
-  if fn is None:
-    return functools.partial(
-      vmap,
-      in_axes=in_axes,
-      out_axes=out_axes,
-      axis_name=axis_name,
-      axis_size=axis_size,
-      spmd_axis_name=spmd_axis_name,
-      state_in_axes=state_in_axes,
-      state_out_axes=state_out_axes,
-      unexpected_out_state_mapping=unexpected_out_state_mapping,
-    )
-  if not callable(fn):
-    raise TypeError(f'vmap needs a callable, got {type(fn).__name__}')
-  return MappedFunction(
-    MapConfig(
-      fn=fn,
-      in_axes=in_axes,
-      out_axes=out_axes,
-      axis_name=axis_name,
-      axis_size=axis_size,
-      spmd_axis_name=spmd_axis_name,
-      state_in=AxisRules(state_in_axes, 'state_in_axes'),
-      state_out=AxisRules(state_out_axes, 'state_out_axes'),
-      policy=_check_policy(unexpected_out_state_mapping),
-    )
-  )
+  options = dict(locals())
+  return build_mapped(vmap, options.pop('fn'), options)
 
 
 def vmap_new_states(
@@ -522,37 +526,15 @@ def vmap_new_states(
     >>> cell['h'].shape, cell['h'].tag
     ((5, 2), 'hidden')
   """
-  if fun is None:
-    return functools.partial(
-      vmap_new_states,
-      in_axes=in_axes,
-      out_axes=out_axes,
-      axis_name=axis_name,
-      axis_size=axis_size,
-      spmd_axis_name=spmd_axis_name,
-      state_tag=state_tag,
-      state_to_exclude=state_to_exclude,
-      state_in_axes=state_in_axes,
-      state_out_axes=state_out_axes,
-      unexpected_out_state_mapping=unexpected_out_state_mapping,
-    )
+  options = dict(locals())
+  fun = options.pop('fun')
   if isinstance(axis_size, int) and axis_size <= 0:
     raise ValueError(f'vmap_new_states: axis_size must be positive, got {axis_size}')
-  if not callable(fun):
-    raise TypeError(f'vmap_new_states needs a callable, got {type(fun).__name__}')
-  return MappedFunction(
-    MapConfig(
-      fn=fun,
-      in_axes=in_axes,
-      out_axes=out_axes,
-      axis_name=axis_name,
-      axis_size=axis_size,
-      spmd_axis_name=spmd_axis_name,
-      state_in=AxisRules(state_in_axes, 'state_in_axes'),
-      state_out=AxisRules(state_out_axes, 'state_out_axes'),
-      policy=_check_policy(unexpected_out_state_mapping),
-      new_states=True,
-      state_tag=state_tag,
-      state_to_exclude=state_to_exclude,
-    )
+  return build_mapped(
+    vmap_new_states,
+    fun,
+    options,
+    new_states=True,
+    state_tag=state_tag,
+    state_to_exclude=state_to_exclude,
   )

@@ -22,13 +22,11 @@ Example:
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Hashable
 
 from brainnx._arguments import normalize_static_argnums
-from brainnx._filters import AxisRules
 from brainnx._jit import JittedFunction
-from brainnx._mapping import MapConfig, MappedFunction, _check_policy
+from brainnx._mapping import MappedFunction, build_mapped
 
 __all__ = ['pmap']
 
@@ -63,38 +61,11 @@ def pmap(
     >>> draws.shape == (n,), int(rngs.default.count[...])
     (True, 1)
   """
-  if fn is None:
-    return functools.partial(
-      pmap,
-      axis_name=axis_name,
-      in_axes=in_axes,
-      out_axes=out_axes,
-      static_broadcasted_argnums=static_broadcasted_argnums,
-      devices=devices,
-      backend=backend,
-      axis_size=axis_size,
-      donate_argnums=donate_argnums,
-      state_in_axes=state_in_axes,
-      state_out_axes=state_out_axes,
-      unexpected_out_state_mapping=unexpected_out_state_mapping,
-    )
-  if not callable(fn):
-    raise TypeError(f'pmap needs a callable, got {type(fn).__name__}')
+  options = dict(locals())
+  fn = options.pop('fn')
   statics = normalize_static_argnums(static_broadcasted_argnums, 'static_broadcasted_argnums')
-  kwargs = tuple((k, v) for k, v in (('devices', devices), ('backend', backend)) if v is not None)
-  config = MapConfig(
-    fn=fn,
-    in_axes=in_axes,
-    out_axes=out_axes,
-    axis_name=axis_name,
-    axis_size=axis_size,
-    state_in=AxisRules(state_in_axes, 'state_in_axes'),
-    state_out=AxisRules(state_out_axes, 'state_out_axes'),
-    policy=_check_policy(unexpected_out_state_mapping),
-    mapper='pmap',
-    pmap_kwargs=kwargs,
-    static_argnums=statics,
-  )
-  mapped = MappedFunction(config)
-  mapped._jitted = JittedFunction(fn, statics, (), donate_argnums, {}, traced=mapped._traced)
+  extra = tuple((k, v) for k, v in (('devices', devices), ('backend', backend)) if v is not None)
+  mapped = build_mapped(pmap, fn, options, mapper='pmap', pmap_kwargs=extra, static_argnums=statics)
+  if isinstance(mapped, MappedFunction):
+    mapped._jitted = JittedFunction(fn, statics, (), donate_argnums, {}, traced=mapped._traced)
   return mapped

@@ -41,7 +41,7 @@ from brainnx._arguments import CallArgs, normalize_static_argnums
 from brainnx._discovery import Discovery, discover, walk_new
 from brainnx._outputs import OutSpec, split_output
 
-__all__ = ['StatefulFunction', 'make_jaxpr', 'Trace', 'swapped', 'write_values', 'TRACE_LOCK']
+__all__ = ['StatefulFunction', 'make_jaxpr', 'Trace', 'swapped', 'write_values', 'park_new', 'adopt_new', 'TRACE_LOCK']
 
 #: Held while Variables hold tracers, so that two threads never swap the same ones at once.
 TRACE_LOCK = threading.RLock()
@@ -79,6 +79,10 @@ class LRUCache:
     with self._lock:
       self._data.clear()
       self.hits = self.misses = 0
+
+  def values(self) -> list:
+    with self._lock:
+      return list(self._data.values())
 
   def __len__(self) -> int:
     return len(self._data)
@@ -157,6 +161,16 @@ def write_values(disc: Discovery, indices: Sequence[int], values: Sequence) -> N
 
 def _holds_tracer(x) -> bool:
   return any(isinstance(leaf, _compat.Tracer) for leaf in jax.tree.leaves(x))
+
+
+def park_new(new_vars: Sequence) -> None:
+  """Replace the traced values of Variables created inside a trace by their shapes.
+
+  Called inside the trace once their values are collected as outputs, so that
+  no tracer outlives its trace; :func:`adopt_new` gives the final values.
+  """
+  for v in new_vars:
+    _compat.set_raw_value(v, jax.tree.map(abstract, _compat.raw_value(v)))
 
 
 def adopt_new(new_vars: Sequence, new_nodes: Sequence, values: Sequence) -> None:
@@ -254,6 +268,7 @@ def trace_call(
       new_vars, new_nodes = walk_new(disc.nodes, disc)
       spec, out_leaves = split_output(out, disc, new_nodes)
       new_var_values = [_compat.raw_value(v) for v in new_vars]
+      park_new(new_vars)
     written = [i for i, (a, b) in enumerate(zip(new_values, states_in)) if a is not b]
     side.update(written=written, new_vars=new_vars, new_nodes=new_nodes, spec=spec)
     side['new_defs'] = tuple(jax.tree.structure(x) for x in new_var_values)
@@ -265,11 +280,12 @@ def trace_call(
   if not keep_structure:
     for v in side['new_vars']:
       _compat.set_raw_value(v, None)
-    _drop_new_attributes(disc, side['new_vars'], side['new_nodes'])
+    drop_new_attributes(disc, side['new_vars'], side['new_nodes'])
   return _finish_trace(closed, shapes, side, disc, state_values, only_write)
 
 
-def _drop_new_attributes(disc: Discovery, new_vars, new_nodes) -> None:
+def drop_new_attributes(disc: Discovery, new_vars, new_nodes) -> None:
+  """Detach Variables and nodes a call created from the discovered Modules."""
   new_ids = {id(x) for x in (*new_vars, *new_nodes)}
   for n in disc.nodes:
     attrs = vars(n)
@@ -494,6 +510,8 @@ class StatefulFunction:
     values = [_compat.raw_value(v) for v in disc.variables]
     trace = self.trace_for(disc, call, values, call.dyn, keep_structure=True)
     outs, new, out_leaves = trace.run([values[i] for i in trace.states], jax.tree.leaves(call.dyn))
+    if trace.closed.effects:  # let a failing host callback raise before anything is written
+      jax.block_until_ready((outs, new, out_leaves))
     written = trace.written if trace.only_write else trace.states
     write_values(disc, written, outs)
     adopt_new(trace.new_vars, trace.new_nodes, new)
