@@ -25,7 +25,6 @@ __all__ = [
     'new_trace_state',
   'can_update',
   'at_top_level',
-  'batch_dim_here',
     'to_predicate',
     'Tracer',
 ]
@@ -102,13 +101,6 @@ def is_batched_here(x, trace) -> bool:
     and x._trace is trace
     and x.batch_dim is not None  # jax spells "not mapped" as None
   )
-
-
-def batch_dim_here(x, trace):
-  """The batch dimension of ``x`` for the vmap ``trace``, or ``None``."""
-  if isinstance(x, _batching.BatchTracer) and x._trace is trace:
-    return x.batch_dim  # None when not mapped
-  return None
 
 
 # -- filters -------------------------------------------------------------------

@@ -152,7 +152,6 @@ class Discovery:
   node_paths: tuple[Path, ...]
   streams: tuple[tuple[int, int], ...]  # (key index, count index) per RngStream
   guard: Guard
-  containers: tuple  # mutable containers met (Module attribute dicts, dicts, lists)
   signature: Hashable  # structure + static attributes, for sharing traces
 
   def __post_init__(self):
@@ -421,7 +420,6 @@ def discover(fun: Callable, args: tuple, kwargs: dict) -> Discovery:
     node_paths=tuple(walker.node_paths),
     streams=tuple(walker.streams),
     guard=Guard(roots.cells, roots.globals, walker.containers, walker.masks),
-    containers=tuple(walker.containers),
     signature=tuple(walker.signature),
   )
 

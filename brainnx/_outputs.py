@@ -37,10 +37,6 @@ class OutSpec:
   slots: tuple[tuple, ...]  # per leaf: ('leaf',) | ('var', i) | ('node', i) | ('obj', x) | ('new', graphdef, treedef, n)
   has_nodes: bool
 
-  @property
-  def n_leaves(self) -> int:
-    return sum(s[3] if s[0] == 'new' else 1 for s in self.slots if s[0] in ('leaf', 'new'))
-
   def rebuild(self, leaves: Sequence, disc: Discovery) -> Any:
     if not self.has_nodes:
       return jax.tree.unflatten(self.treedef, leaves)
@@ -61,10 +57,6 @@ class OutSpec:
         state = jax.tree.unflatten(state_def, [next(it) for _ in range(n)])
         out.append(nnx.merge(graphdef, state))
     return jax.tree.unflatten(self.treedef, out)
-
-  def leaf_axes(self, axis) -> list:
-    """One entry per array leaf: where ``vmap`` puts the batch axis (``axis``)."""
-    return [axis] * self.n_leaves
 
 
 def split_output(out: Any, disc: Discovery, attached: Sequence = ()) -> tuple[OutSpec, list]:

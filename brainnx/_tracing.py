@@ -80,10 +80,6 @@ class LRUCache:
       self._data.clear()
       self.hits = self.misses = 0
 
-  def values(self) -> list:
-    with self._lock:
-      return list(self._data.values())
-
   def __len__(self) -> int:
     return len(self._data)
 
