@@ -221,6 +221,12 @@ class _Walker:
     if self._known is not None and id(var) in self._known:
       self._var_ids[id(var)] = -1
       return True
+    if var.hijax or var.ref:
+      raise TypeError(
+        f'{type(var).__name__} at {path!r} was created with hijax=True or ref=True (flax\'s '
+        'mutable-array Variables); brainnx transforms manage plain Variables only: create it '
+        'with the defaults (hijax=False, ref=False)'
+      )
     self._var_ids[id(var)] = len(self.variables)
     self.variables.append(var)
     self.paths.append(path)

@@ -1,5 +1,7 @@
 """Small models and comparison helpers shared by the tests."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,3 +54,22 @@ def no_tracers(node):
     if isinstance(v, nnx.Variable)
     for leaf in jax.tree.leaves(v.get_raw_value())
   )
+
+
+def run_in_threads(work, n: int) -> None:
+  """Run ``work(i)`` for i in range(n) on n threads at once; re-raise the first failure."""
+  errors = []
+
+  def guarded(i):
+    try:
+      work(i)
+    except Exception as e:  # reported below, in the calling thread
+      errors.append(e)
+
+  threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  if errors:
+    raise errors[0]

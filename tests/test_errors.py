@@ -61,3 +61,9 @@ def test_module_argument_axis_errors_name_the_argument():
   model = MLP(3, 4, 2, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"inconsistent batch sizes \[2, 3, 4\] \(Param at \(0, 'l1', 'kernel'\): 3.*Pass in_axes=None"):
     bnx.vmap(lambda m, x: m(x), in_axes=(0, None))(model, jnp.ones((5, 3)))
+
+
+def test_mutable_array_variables_are_refused_clearly():
+  v = nnx.Variable(jnp.zeros(2), ref=True)
+  with pytest.raises(TypeError, match=r"Variable at \('v',\) was created with hijax=True or ref=True"):
+    bnx.jit(lambda: v[...] + 1)()

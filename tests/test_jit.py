@@ -1,7 +1,5 @@
 """brainnx.jit against the same computation as a pure function under jax.jit."""
 
-import threading
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +7,7 @@ import pytest
 from flax import nnx
 
 import brainnx as bnx
-from helpers import MLP, assert_same_values, mlp_params, mlp_pure, no_tracers, values_of
+from helpers import MLP, assert_same_values, mlp_params, mlp_pure, no_tracers, run_in_threads, values_of
 
 X = jax.random.normal(jax.random.key(0), (4, 3))
 
@@ -354,21 +352,13 @@ def test_threads_call_one_jitted_function():
   step = bnx.jit(lambda m, x: m(x))
   step(models[0], X)  # warm
   refs = [jax.jit(pure_counting)(counting_state(m), X)[1] for m in models]
-  results, errors = {}, []
+  results = {}
 
   def work(i):
-    try:
-      for _ in range(5):
-        results[i] = step(models[i], X)
-    except Exception as e:  # pragma: no cover - reported below
-      errors.append(e)
+    for _ in range(5):
+      results[i] = step(models[i], X)
 
-  threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join()
-  assert not errors
+  run_in_threads(work, 6)
   for i, m in enumerate(models):
     np.testing.assert_allclose(results[i], refs[i], rtol=1e-6)
     assert int(m.calls[...]) == 5 + (i == 0)

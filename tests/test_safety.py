@@ -7,8 +7,6 @@ every Variable and Rngs holds its exact pre-call value and the next call
 works.
 """
 
-import threading
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +15,7 @@ from flax import nnx
 from jax.experimental import checkify
 
 import brainnx as bnx
-from helpers import MLP, assert_same_values, no_tracers, values_of
+from helpers import MLP, assert_same_values, no_tracers, run_in_threads, values_of
 
 
 class World(nnx.Module):
@@ -142,22 +140,13 @@ def test_threads_on_separate_modules_with_shared_transforms():
   step = bnx.jit(lambda w, x: w.touch(x))
   mapped = bnx.vmap(lambda w, x: w.mlp(x), in_axes=(None, 0))
   refs = [(values_of(w), w.mlp(XS)) for w in worlds]
-  errors = []
 
   def work(i):
-    try:
-      for _ in range(4):
-        step(worlds[i], X)
-        np.testing.assert_allclose(mapped(worlds[i], XS), refs[i][1], rtol=1e-6)
-    except Exception as e:  # pragma: no cover - reported below
-      errors.append(e)
+    for _ in range(4):
+      step(worlds[i], X)
+      np.testing.assert_allclose(mapped(worlds[i], XS), refs[i][1], rtol=1e-6)
 
-  threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join()
-  assert not errors, errors
+  run_in_threads(work, 6)
   for w in worlds:
     assert int(w.count[...]) == 4 and no_tracers(w)
   sizes = step.cache_sizes()

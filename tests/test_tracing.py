@@ -1,7 +1,5 @@
 """StatefulFunction and make_jaxpr: read/write classification, order, jaxpr shape, cache."""
 
-import threading
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +7,7 @@ import pytest
 from flax import nnx
 
 import brainnx as bnx
-from helpers import MLP, mlp_params, mlp_pure
+from helpers import MLP, mlp_params, mlp_pure, run_in_threads
 
 
 def same(xs, ys):
@@ -148,22 +146,13 @@ def test_cache_is_bounded():
 def test_cache_is_thread_safe():
   w = nnx.Param(jnp.ones(3))
   sf = bnx.StatefulFunction(lambda x: x.sum() * w[...], cache_size=8)
-  errors = []
 
   def work(n):
-    try:
-      for k in range(1, 12):
-        jaxpr = sf.get_jaxpr(jnp.ones((n + k) % 5 + 1))
-        assert jaxpr.in_avals[1].shape == ((n + k) % 5 + 1,), jaxpr
-    except Exception as e:  # pragma: no cover - reported below
-      errors.append(e)
+    for k in range(1, 12):
+      jaxpr = sf.get_jaxpr(jnp.ones((n + k) % 5 + 1))
+      assert jaxpr.in_avals[1].shape == ((n + k) % 5 + 1,), jaxpr
 
-  threads = [threading.Thread(target=work, args=(n,)) for n in range(6)]
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join()
-  assert not errors
+  run_in_threads(work, 6)
   assert sf.get_cache_stats()['jaxpr_cache']['size'] <= 8
   assert isinstance(w.get_raw_value(), jax.Array)
 
