@@ -1,18 +1,20 @@
-"""A call's arguments, split into static values, graph nodes and array data.
+"""A call's arguments, split into static values, references and array data.
 
-Graph nodes (Modules, Variables, Rngs, ...) travel by reference, never
-through a JAX transform; static arguments are part of the trace key; all
-other leaves are dynamic.
+References (Modules, Variables, Rngs, plain objects holding them) travel by
+reference, never through a JAX transform; static arguments are part of the
+trace key (by type and value, as in ``jax.jit``); all other leaves are
+dynamic.
 
 Example:
   >>> import jax.numpy as jnp
   >>> from flax import nnx
-  >>> from brainnx._arguments import CallArgs
+  >>> from brainnx._arguments import ArgKind, CallArgs, StaticArgs
   >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
-  >>> call = CallArgs.split((model, jnp.ones(2), 'relu'), {}, static_argnums=(2,))
-  >>> call.kinds
-  ('node', 'dyn', 'static')
-  >>> args, kwargs = call.rebuild(call.dyn, call.nodes)
+  >>> statics = StaticArgs.resolve(lambda m, x, act: m(x), static_argnums=2)
+  >>> call = CallArgs.split((model, jnp.ones(2), 'relu'), {}, statics)
+  >>> call.kinds == (ArgKind.REF, ArgKind.DYN, ArgKind.STATIC)
+  True
+  >>> args, kwargs = call.rebuild(call.dyn, call.refs)
   >>> args[0] is model, args[2]
   (True, 'relu')
 """
@@ -20,34 +22,30 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Hashable, Sequence
+import enum
+import inspect
+from typing import Any, Callable, Hashable, Sequence
 
 import jax
 
-from brainnx._discovery import is_graph_node
+from brainnx._discovery import holds_graph_node, is_reference, static_key
 
-__all__ = ['CallArgs', 'normalize_static_argnums', 'contains_graph_node']
-
-_PLAIN = (int, float, complex, bool, type(None), str)
+__all__ = ['ArgKind', 'CallArgs', 'StaticArgs', 'normalize_argnums']
 
 
-def contains_graph_node(x: Any) -> bool:
-  """Whether ``x`` is, or holds somewhere inside, a Variable or NNX Pytree."""
-  if isinstance(x, jax.Array) or isinstance(x, _PLAIN):
-    return False
-  if is_graph_node(x):
-    return True
-  if isinstance(x, (tuple, list)):
-    return any(map(contains_graph_node, x))
-  if isinstance(x, dict):
-    return any(map(contains_graph_node, x.values()))
-  return any(map(is_graph_node, jax.tree.leaves(x, is_leaf=is_graph_node)))
+class ArgKind(enum.Enum):
+  """How one argument travels into a traced call."""
+
+  STATIC = 'static'  # hashable, baked into the trace
+  REF = 'reference'  # a graph node or plain object holding one: passed as is
+  DYN = 'dynamic'  # array data: an input of the trace
+  MIXED = 'mixed'  # a container of array data and references, flattened
 
 
-def normalize_static_argnums(static_argnums, what: str = 'static_argnums') -> tuple[int, ...]:
-  if isinstance(static_argnums, int):
-    static_argnums = (static_argnums,)
-  nums = tuple(static_argnums)
+def normalize_argnums(argnums, what: str = 'static_argnums') -> tuple[int, ...]:
+  if isinstance(argnums, int):
+    argnums = (argnums,)
+  nums = tuple(argnums)
   for n in nums:
     if not isinstance(n, int) or isinstance(n, bool):
       raise TypeError(f'{what} must be ints, got {n!r}')
@@ -57,6 +55,52 @@ def normalize_static_argnums(static_argnums, what: str = 'static_argnums') -> tu
         '(brainnx does not resolve negative positions)'
       )
   return nums
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticArgs:
+  """Which arguments are static, by position and by name, resolved against ``fun``'s signature
+  as ``jax.jit`` does: a static name also covers that argument passed by position, a static
+  position also covers it passed by keyword."""
+
+  argnums: tuple[int, ...] = ()
+  argnames: tuple[str, ...] = ()
+
+  @classmethod
+  def resolve(cls, fun: Callable, static_argnums=(), static_argnames=(), *, what: str = 'jit') -> 'StaticArgs':
+    nums = normalize_argnums(static_argnums)
+    names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+    if not nums and not names:
+      return cls()
+    try:
+      params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):  # no signature to check against: take them as given
+      return cls(nums, names)
+    kind = inspect.Parameter
+    positional = [p.name for p in params if p.kind in (kind.POSITIONAL_ONLY, kind.POSITIONAL_OR_KEYWORD)]
+    by_keyword = {p.name for p in params if p.kind in (kind.POSITIONAL_OR_KEYWORD, kind.KEYWORD_ONLY)}
+    has_varargs = any(p.kind is kind.VAR_POSITIONAL for p in params)
+    has_varkw = any(p.kind is kind.VAR_KEYWORD for p in params)
+    too_far = [n for n in nums if n >= len(positional)]
+    if too_far and not has_varargs:
+      raise ValueError(
+        f'{what}: static_argnums={nums} but the function accepts {len(positional)} positional '
+        f'argument(s) ({", ".join(positional) or "none"})'
+      )
+    unknown = [n for n in names if n not in by_keyword]
+    if unknown and not has_varkw:
+      raise ValueError(
+        f'{what}: static_argnames {unknown} are not parameters of the function '
+        f'(its parameters: {", ".join(p.name for p in params) or "none"})'
+      )
+    nums_all = set(nums) | {positional.index(n) for n in names if n in positional}
+    names_all = set(names) | {positional[n] for n in nums if n < len(positional) and positional[n] in by_keyword}
+    return cls(tuple(sorted(nums_all)), tuple(sorted(names_all)))
+
+  def is_static(self, slot: int, n_args: int, kw_names: Sequence[str]) -> bool:
+    if slot < n_args:
+      return slot in self.argnums
+    return kw_names[slot - n_args] in self.argnames
 
 
 def _check_hashable(value, where: str) -> None:
@@ -74,70 +118,73 @@ def _check_hashable(value, where: str) -> None:
 class CallArgs:
   """One call's arguments, classified position by position.
 
-  ``kinds[i]`` is ``'static'``, ``'node'`` (a graph node itself), ``'dyn'``
-  (no graph node inside) or ``'mixed'`` (a container holding graph nodes,
-  flattened with the nodes kept aside). Keywords follow the positional
-  arguments in ``kinds``, in ``kw_names`` order.
+  ``kinds`` has one :class:`ArgKind` per positional argument, then one per
+  keyword in ``kw_names`` order.
   """
 
-  kinds: tuple[str, ...]
+  kinds: tuple[ArgKind, ...]
   kw_names: tuple[str, ...]
   statics: tuple[tuple[int, Any], ...]  # (slot, value)
-  nodes: tuple[Any, ...]  # graph nodes, in slot order (mixed ones expanded)
-  dyn: tuple[Any, ...]  # dynamic values: whole args for 'dyn', leaves for 'mixed'
-  mixed: tuple[tuple[int, Any, tuple[bool, ...]], ...]  # (slot, treedef, is-node mask)
+  refs: tuple[Any, ...]  # references, in slot order (mixed ones expanded)
+  dyn: tuple[Any, ...]  # dynamic values: whole args for DYN, leaves for MIXED
+  mixed: tuple[tuple[int, Any, tuple[bool, ...]], ...]  # (slot, treedef, is-reference mask)
   n_args: int
 
   @classmethod
-  def split(cls, args: Sequence, kwargs: dict, static_argnums=(), static_argnames=()) -> 'CallArgs':
+  def split(cls, args: Sequence, kwargs: dict, statics: StaticArgs = StaticArgs()) -> 'CallArgs':
     values = list(args) + list(kwargs.values())
     names = tuple(kwargs)
-    kinds, statics, nodes, dyn, mixed = [], [], [], [], []
+    kinds, static_vals, refs, dyn, mixed = [], [], [], [], []
     for slot, value in enumerate(values):
-      is_static = (
-        slot in static_argnums if slot < len(args) else names[slot - len(args)] in static_argnames
-      )
-      if is_static:
+      if statics.is_static(slot, len(args), names):
         where = f'at position {slot}' if slot < len(args) else f'{names[slot - len(args)]!r}'
         _check_hashable(value, where)
-        kinds.append('static')
-        statics.append((slot, value))
-      elif is_graph_node(value):
-        kinds.append('node')
-        nodes.append(value)
-      elif not contains_graph_node(value):
-        kinds.append('dyn')
+        kinds.append(ArgKind.STATIC)
+        static_vals.append((slot, value))
+      elif is_reference(value):
+        kinds.append(ArgKind.REF)
+        refs.append(value)
+      elif not holds_graph_node(value):
+        kinds.append(ArgKind.DYN)
         dyn.append(value)
       else:
-        leaves, treedef = jax.tree.flatten(value, is_leaf=is_graph_node)
-        mask = tuple(map(is_graph_node, leaves))
-        kinds.append('mixed')
+        leaves, treedef = jax.tree.flatten(value, is_leaf=is_reference)
+        mask = tuple(map(is_reference, leaves))
+        kinds.append(ArgKind.MIXED)
         mixed.append((slot, treedef, mask))
-        for leaf, is_node in zip(leaves, mask):
-          (nodes if is_node else dyn).append(leaf)
-    return cls(tuple(kinds), names, tuple(statics), tuple(nodes), tuple(dyn), tuple(mixed), len(args))
+        for leaf, is_ref in zip(leaves, mask):
+          (refs if is_ref else dyn).append(leaf)
+    return cls(tuple(kinds), names, tuple(static_vals), tuple(refs), tuple(dyn), tuple(mixed), len(args))
 
   @property
   def signature(self) -> Hashable:
-    """Everything about the call that is not array data (nodes by position)."""
-    return (self.kinds, self.kw_names, self.statics, tuple((s, t, m) for s, t, m in self.mixed), self.n_args)
+    """Everything about the call that is not array data (references by position)."""
+    statics = tuple((slot, static_key(v)) for slot, v in self.statics)
+    return (self.kinds, self.kw_names, statics, self.mixed, self.n_args)
 
-  def rebuild(self, dyn: Sequence, nodes: Sequence) -> tuple[tuple, dict]:
-    """The ``(args, kwargs)`` of the call with ``dyn`` and ``nodes`` put back."""
-    dyn_it, node_it = iter(dyn), iter(nodes)
+  @property
+  def has_mixed(self) -> bool:
+    return bool(self.mixed)
+
+  def slots_of(self, kind: ArgKind) -> tuple[int, ...]:
+    return tuple(s for s, k in enumerate(self.kinds) if k is kind)
+
+  def rebuild(self, dyn: Sequence, refs: Sequence) -> tuple[tuple, dict]:
+    """The ``(args, kwargs)`` of the call with ``dyn`` and ``refs`` put back."""
+    dyn_it, ref_it = iter(dyn), iter(refs)
     statics = dict(self.statics)
     mixed = {slot: (treedef, mask) for slot, treedef, mask in self.mixed}
     values = []
     for slot, kind in enumerate(self.kinds):
-      if kind == 'static':
+      if kind is ArgKind.STATIC:
         values.append(statics[slot])
-      elif kind == 'node':
-        values.append(next(node_it))
-      elif kind == 'dyn':
+      elif kind is ArgKind.REF:
+        values.append(next(ref_it))
+      elif kind is ArgKind.DYN:
         values.append(next(dyn_it))
       else:
         treedef, mask = mixed[slot]
-        leaves = [next(node_it) if is_node else next(dyn_it) for is_node in mask]
+        leaves = [next(ref_it) if is_ref else next(dyn_it) for is_ref in mask]
         values.append(jax.tree.unflatten(treedef, leaves))
     args = tuple(values[: self.n_args])
     return args, dict(zip(self.kw_names, values[self.n_args :]))

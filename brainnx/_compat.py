@@ -2,7 +2,9 @@
 
 Everything here is a thin, named wrapper so that a version bump of jax or
 flax touches this file only. ``tests/test_compat.py`` fails if any other
-module imports ``jax._src`` or a private flax module.
+module imports ``jax._src`` or a private flax module, reads a private
+attribute of a Variable or Pytree, or writes into an object's ``vars()``.
+Importing this module does not start a JAX backend.
 """
 
 from __future__ import annotations
@@ -11,25 +13,35 @@ import operator
 
 from flax.nnx import filterlib as _filterlib
 from flax.nnx import tracers as _nnx_tracers
+from jax._src import array as _jax_array
 from jax._src import core as _jax_core
 from jax._src.interpreters import batching as _batching
 
 __all__ = [
-    'current_trace',
-    'is_batched_here',
-    'raw_value',
-    'set_raw_value',
-  'set_raw_values',
-    'set_node_trace_state',
-    'get_node_trace_state',
-    'new_trace_state',
-  'can_update',
+  'ArrayImpl',
+  'Tracer',
   'at_top_level',
-    'to_predicate',
-    'Tracer',
+  'attributes',
+  'can_update',
+  'current_trace',
+  'get_node_trace_state',
+  'is_internal_attribute',
+  'is_batched_here',
+  'new_trace_state',
+  'pytree_has_int_keys',
+  'raw_value',
+  'restore_entries',
+  'set_node_trace_state',
+  'set_raw_value',
+  'set_raw_values',
+  'to_predicate',
+  'with_debug_names',
 ]
 
 Tracer = _jax_core.Tracer
+
+#: The concrete array type a compiled call returns (a class lookup: no backend starts).
+ArrayImpl = _jax_array.ArrayImpl
 
 # -- Variable values ---------------------------------------------------------
 
@@ -51,6 +63,35 @@ def set_raw_values(variables, values) -> None:
   store = object.__setattr__
   for variable, value in zip(variables, values):
     store(variable, '_raw_value', value)
+
+
+# -- attributes of graph nodes and plain objects --------------------------------
+
+#: ``attributes(obj)``: the live attribute dict of a Module, Pytree or plain object.
+attributes = vars
+
+
+def restore_entries(current: dict, entries: dict, missing) -> None:
+  """Put ``entries`` back into a dict or a node's ``attributes()`` (``missing``: delete the key).
+
+  On a Module this bypasses flax's setattr checks: it is how a failed call's
+  added or replaced attributes are rolled back.
+  """
+  for key, value in entries.items():
+    if value is missing:
+      current.pop(key, None)
+    else:
+      current[key] = value
+
+
+def is_internal_attribute(name: str) -> bool:
+  """Whether a Pytree attribute is flax's own bookkeeping (``_pytree__state``, ...), not state."""
+  return name.startswith('_pytree__')
+
+
+def pytree_has_int_keys(node_type) -> bool:
+  """Whether an ``nnx.Pytree`` type names its children by int (``nnx.List``)."""
+  return bool(getattr(node_type, '_pytree__has_int_keys', False))
 
 
 # -- trace levels --------------------------------------------------------------
@@ -101,6 +142,16 @@ def is_batched_here(x, trace) -> bool:
     and x._trace is trace
     and x.batch_dim is not None  # jax spells "not mapped" as None
   )
+
+
+# -- jaxprs --------------------------------------------------------------------
+
+
+def with_debug_names(debug_info, arg_names: tuple, result_paths: tuple):
+  """A jaxpr's ``debug_info`` with its argument and result names replaced (or None)."""
+  if debug_info is None:
+    return None
+  return debug_info._replace(arg_names=arg_names, result_paths=result_paths)
 
 
 # -- filters -------------------------------------------------------------------

@@ -5,8 +5,9 @@ Roots are the positional and keyword arguments, a bound method's ``self``,
 names the function's code loads (following helper functions the same way).
 Each root is walked through NNX graph nodes (Modules, ``nnx.Pytree``s such as
 ``nnx.Rngs`` and ``nnx.Optimizer``, ``nnx.List``/``nnx.Dict``), ``nnx.State``,
-dicts, lists, tuples and other pytrees. A Variable reached twice is one
-Variable; its path is the first one found.
+dicts, lists, tuples, other pytrees, and the attributes of plain Python
+objects (a ``Trainer`` or a dataclass holding a model). A Variable reached
+twice is one Variable; its path is the first one found.
 
 Example:
   >>> import jax.numpy as jnp
@@ -23,18 +24,28 @@ from __future__ import annotations
 
 import dataclasses
 import dis
+import enum
 import functools
+import importlib.util
 import inspect
 import itertools
 import operator
+import os
+import sys
 import types
+import weakref
 from typing import Any, Callable, Hashable
 
 import jax
 import numpy as np
 from flax import nnx
 
-__all__ = ['Discovery', 'Guard', 'discover', 'is_graph_node', 'walk_new']
+from brainnx import _compat
+
+__all__ = [
+  'Discovery', 'Guard', 'describe', 'discover', 'holds_graph_node', 'is_graph_node', 'is_reference',
+  'key_name', 'static_key', 'walk_new',
+]
 
 Path = tuple[Hashable, ...]
 
@@ -45,11 +56,14 @@ _ATOMS = (
   types.MethodType, functools.partial, np.dtype, range, type(Ellipsis),
 )
 
+# Packages whose objects are never entered as plain objects (their state is not the user's).
+_LIBRARY_PACKAGES = frozenset({
+  'jax', 'jaxlib', 'flax', 'numpy', 'optax', 'tqdm', 'chex', 'matplotlib', 'orbax', 'brainnx',
+  'equinox', 'brainstate', 'ml_dtypes', 'IPython', 'ipykernel', 'pytest', '_pytest', 'hypothesis',
+}) | (frozenset(sys.stdlib_module_names) - {'types', 'argparse'})  # SimpleNamespace, Namespace are plain
+
 
 def _library_dirs() -> tuple[str, ...]:
-  import importlib.util
-  import os
-
   dirs = []
   for name in ('jax', 'jaxlib', 'flax', 'numpy', 'optax', 'tqdm', 'chex', 'matplotlib'):
     spec = importlib.util.find_spec(name)
@@ -70,22 +84,95 @@ def is_graph_node(x: Any) -> bool:
   return isinstance(x, (nnx.Variable, nnx.Pytree))
 
 
+@functools.lru_cache(maxsize=1024)
+def _is_plain_type(cls: type) -> bool:
+  if cls.__module__.partition('.')[0] in _LIBRARY_PACKAGES:
+    return False
+  return '__dict__' in dir(cls) and not issubclass(cls, (nnx.Pytree, nnx.Variable, BaseException))
+
+
+def _is_plain_object(x: Any) -> bool:
+  """A user object whose attributes (``vars()``) brainnx walks: not a graph node, type or function."""
+  return not isinstance(x, _ATOMS) and _is_plain_type(type(x)) and hasattr(x, '__dict__')
+
+
+def holds_graph_node(x: Any, _seen=None) -> bool:
+  """Whether ``x`` is, or holds somewhere inside, a Variable or NNX Pytree (cycle-safe)."""
+  if isinstance(x, _ATOMS):
+    return False
+  if is_graph_node(x):
+    return True
+  seen = set() if _seen is None else _seen
+  if id(x) in seen:
+    return False
+  seen.add(id(x))
+  if isinstance(x, (tuple, list)):
+    return any(holds_graph_node(v, seen) for v in x)
+  if isinstance(x, dict):
+    return any(holds_graph_node(v, seen) for v in x.values())
+  if _is_plain_object(x):
+    return any(holds_graph_node(v, seen) for v in _compat.attributes(x).values())
+  leaves = jax.tree.leaves(x, is_leaf=lambda y: y is not x and (is_graph_node(y) or _is_plain_object(y)))
+  return any(y is not x and holds_graph_node(y, seen) for y in leaves)
+
+
+def is_reference(x: Any) -> bool:
+  """Passed by reference into a transform: a graph node, or a plain object holding one."""
+  return is_graph_node(x) or (_is_plain_object(x) and holds_graph_node(x))
+
+
+def describe(path, variable) -> str:
+  """``"Param at ('model', 'l1', 'kernel')"``: how every error names a Variable."""
+  return f'{type(variable).__name__} at {tuple(path)!r}'
+
+
+def key_name(key) -> Hashable:
+  """The plain key of a ``jax.tree_util`` path entry (dict key, index or attribute)."""
+  for attr in ('key', 'idx', 'name'):
+    if hasattr(key, attr):
+      return getattr(key, attr)
+  return str(key)
+
+
+def static_key(value) -> Hashable:
+  """A cache key for a value compared statically: by type and value (``1``, ``1.0``, ``True``
+  differ), or by identity when it is unhashable."""
+  try:
+    hash(value)
+  except TypeError:
+    return ('<unhashable>', type(value), id(value))
+  return (type(value), value)
+
+
+class RootKind(enum.Enum):
+  """How a discovery root was reached."""
+
+  ARG = 'argument'
+  KWARG = 'keyword argument'
+  SELF = 'self'
+  PARTIAL = 'partial argument'
+  DEFAULT = 'default value'
+  CLOSURE = 'closure'
+  GLOBAL = 'global'
+
+
 @dataclasses.dataclass(frozen=True)
 class Root:
   """Where a walk started: ``name`` heads the paths below it."""
 
   name: Hashable
-  kind: str  # 'arg' | 'kwarg' | 'self' | 'partial' | 'default' | 'closure' | 'global'
+  kind: RootKind
 
 
 class Guard:
   """A cheap check that what a discovery saw is still what the function sees.
 
-  It records the object behind every closure cell and global name that led
-  to Variables, and the entries of every mutable container on the way (a
-  Module's attribute dict, a dict, a list). ``ok()`` compares the entries in
-  two C-level passes: the whole flattened list by equality (static
-  attributes may be re-set to equal values), and the graph entries
+  It records the object behind every closure cell and global name the
+  function (and the helpers it calls) loads, and the entries of every
+  mutable container on the way (a Module's attribute dict, a plain
+  object's, a dict, a list). ``ok()`` compares the names by identity and
+  the entries in two C-level passes: the whole flattened list by equality
+  (static attributes may be re-set to equal values), and the graph entries
   (Variables, Modules, containers holding them) by identity.
   """
 
@@ -122,7 +209,7 @@ class Guard:
         except ValueError:  # a cell was emptied
           return False
       for namespace, name, obj in namespaces:
-        if namespace.get(name) is not obj:
+        if namespace.get(name, _MISSING) is not obj:
           return False
       now = [*chain(views)]
       try:
@@ -136,27 +223,37 @@ class Guard:
 
 
 _chain = itertools.chain.from_iterable
-_cell_contents = operator.attrgetter('cell_contents')
 _MISSING = object()
 
 
 @dataclasses.dataclass(eq=False)
 class Discovery:
-  """The Variables a call can touch, with their paths and how they were found."""
+  """The Variables a call can touch, with their paths and how they were found.
+
+  ``containers`` are the mutable containers met on the way (attribute dicts
+  of Modules and plain objects, dicts, lists): a call may add Variables to
+  them, and a failed call has its changes to them rolled back.
+  """
 
   variables: tuple[nnx.Variable, ...]
   paths: tuple[Path, ...]
   root_of: tuple[int, ...]  # per variable, index into ``roots``
   roots: tuple[Root, ...]
-  nodes: tuple[Any, ...]  # Pytree graph nodes met on the way
-  node_paths: tuple[Path, ...]
+  node_refs: tuple[Any, ...]  # weak references to the Pytree graph nodes met on the way
+  containers: tuple[Any, ...]
   streams: tuple[tuple[int, int], ...]  # (key index, count index) per RngStream
   guard: Guard
-  signature: Hashable  # structure + static attributes, for sharing traces
+  signature: Hashable  # structure + static attributes + captured names, for sharing traces
 
   def __post_init__(self):
     self._index = {id(v): i for i, v in enumerate(self.variables)}
-    self._node_index = {id(n): i for i, n in enumerate(self.nodes)}
+    self._node_index = {id(r()): i for i, r in enumerate(self.node_refs)}
+
+  @property
+  def nodes(self) -> tuple:
+    """The graph nodes (held weakly, so a cached discovery does not keep a dropped model
+    alive; they are alive while a call that reaches them runs)."""
+    return tuple(r() for r in self.node_refs)
 
   def index_of(self, variable) -> int | None:
     return self._index.get(id(variable))
@@ -165,8 +262,32 @@ class Discovery:
     return self._node_index.get(id(node))
 
   def describe(self, i: int) -> str:
-    """``"Param at ('model', 'l1', 'kernel')"``: how errors name a Variable."""
-    return f'{type(self.variables[i]).__name__} at {self.paths[i]!r}'
+    """How errors name the ``i``-th Variable (see :func:`describe`)."""
+    return describe(self.paths[i], self.variables[i])
+
+  def snapshot(self) -> list:
+    """The contents of every container, for :meth:`restore` after a failed call."""
+    return [dict(c) if isinstance(c, dict) else list(c) for c in self.containers]
+
+  def restore(self, saved: list) -> None:
+    """Undo the changes made since :meth:`snapshot` that add, replace or remove graph nodes
+    (Variables, Modules); other Python side effects in the same containers stay."""
+    for container, before in zip(self.containers, saved):
+      if isinstance(container, list):
+        if len(container) == len(before) and all(a is b for a, b in zip(container, before)):
+          continue
+        olds, news = {id(x): x for x in before}, {id(x): x for x in container}
+        changed = [x for k, x in olds.items() if k not in news] + [x for k, x in news.items() if k not in olds]
+        if any(map(holds_graph_node, changed)):
+          container[:] = before
+        continue
+      undo = {}
+      for key in container.keys() | before.keys():
+        old, new = before.get(key, _MISSING), container.get(key, _MISSING)
+        if old is not new and (holds_graph_node(old) or holds_graph_node(new)):
+          undo[key] = old
+      if undo:
+        _compat.restore_entries(container, undo, _MISSING)
 
 
 class _Walker:
@@ -174,14 +295,15 @@ class _Walker:
 
   def __init__(self, known_ids=None):
     self.variables, self.paths, self.root_of = [], [], []
-    self.nodes, self.node_paths = [], []
+    self.nodes = []
     self.streams = []
-    self.containers = []
+    self.containers = []  # guarded: they hold graph nodes
+    self.watched = []  # every mutable container met
     self.masks = []
     self.signature = []
     self._var_ids: dict[int, int] = {}
     self._seen: set[int] = set()
-    self._relevant_containers: set[int] = set()
+    self._relevant: set[int] = set()
     self._known = known_ids  # when set: only report Variables not in it
 
   def walk(self, obj, path: Path, root: int) -> bool:
@@ -192,28 +314,28 @@ class _Walker:
       return self._variable(obj, path, root)
     key = id(obj)
     if key in self._seen:
-      return self._relevant_seen(obj)
+      return key in self._relevant
+    self._seen.add(key)
     if isinstance(obj, nnx.Pytree):
-      self._seen.add(key)
-      return self._pytree(obj, path, root)
-    if isinstance(obj, nnx.State):
-      self._seen.add(key)
-      return self._container(obj.raw_mapping, list(obj.raw_mapping.items()), path, root, True)
-    if isinstance(obj, dict):
-      self._seen.add(key)
-      return self._container(obj, list(obj.items()), path, root, True)
-    if isinstance(obj, list):
-      self._seen.add(key)
-      return self._container(obj, list(enumerate(obj)), path, root, True)
-    if isinstance(obj, tuple):
-      self._seen.add(key)
+      found = self._pytree(obj, path, root)
+    elif isinstance(obj, nnx.State):
+      found = self._items(obj.raw_mapping, list(obj.raw_mapping.items()), path, root, mutable=True)
+    elif isinstance(obj, dict):
+      found = self._items(obj, list(obj.items()), path, root, mutable=True)
+    elif isinstance(obj, list):
+      found = self._items(obj, list(enumerate(obj)), path, root, mutable=True)
+    elif isinstance(obj, tuple):
       names = getattr(obj, '_fields', None)
       items = list(zip(names, obj)) if names else list(enumerate(obj))
-      return self._container(obj, items, path, root, False)
-    return self._generic(obj, path, root)
-
-  def _relevant_seen(self, obj) -> bool:
-    return isinstance(obj, nnx.Pytree) or id(obj) in self._relevant_containers
+      found = self._items(obj, items, path, root, mutable=False)
+    elif _is_plain_object(obj):
+      attrs = _compat.attributes(obj)
+      found = self._items(attrs, list(attrs.items()), path, root, mutable=True, owner=type(obj))
+    else:
+      found = self._generic(obj, path, root)
+    if found:
+      self._relevant.add(key)
+    return found
 
   def _variable(self, var, path, root) -> bool:
     if id(var) in self._var_ids:
@@ -223,7 +345,7 @@ class _Walker:
       return True
     if var.hijax or var.ref:
       raise TypeError(
-        f'{type(var).__name__} at {path!r} was created with hijax=True or ref=True (flax\'s '
+        f'{describe(path, var)} was created with hijax=True or ref=True (flax\'s '
         'mutable-array Variables); brainnx transforms manage plain Variables only: create it '
         'with the defaults (hijax=False, ref=False)'
       )
@@ -236,20 +358,20 @@ class _Walker:
 
   def _pytree(self, node, path, root) -> bool:
     self.nodes.append(node)
-    self.node_paths.append(path)
-    attrs = vars(node)
-    int_keys = getattr(type(node), '_pytree__has_int_keys', False)
+    attrs = _compat.attributes(node)
+    int_keys = _compat.pytree_has_int_keys(type(node))
     statics, mask = [], []
     for name, value in list(attrs.items()):
-      if name.startswith('_pytree__'):
+      if _compat.is_internal_attribute(name):
         mask.append(False)
         continue
       child_key = int(name) if int_keys and name.isdigit() else name
       relevant = self.walk(value, path + (child_key,), root)
       mask.append(relevant)
       if not relevant:
-        statics.append((name, _hashable(value)))
+        statics.append((name, static_key(value)))
     self.containers.append(attrs)
+    self.watched.append(attrs)
     self.masks.append(mask)
     self.signature.append((path, type(node), tuple(statics)))
     if isinstance(node, nnx.RngStream):
@@ -258,16 +380,23 @@ class _Walker:
         self.streams.append((k, c))
     return True
 
-  def _container(self, container, items, path, root, mutable) -> bool:
+  def _items(self, container, items, path, root, *, mutable: bool, owner: type | None = None) -> bool:
+    """A dict, list, tuple or plain object's attributes. Mutable ones are watched for Variables
+    a call adds (even while they hold none); those holding graph nodes are also guarded."""
     mask = [self.walk(v, path + (k,), root) for k, v in items]
-    relevant = [k for (k, _), m in zip(items, mask) if m]
+    relevant = tuple(k for (k, _), m in zip(items, mask) if m)
+    if mutable:
+      self.watched.append(container)
     if not relevant:
       return False
-    self._relevant_containers.add(id(container))
     if mutable:
       self.containers.append(container)
       self.masks.append(mask)
-    self.signature.append((path, type(container), tuple(relevant)))
+    if owner is not None:  # a plain object: its other attributes are static, like a Module's
+      statics = tuple((k, static_key(v)) for (k, v), m in zip(items, mask) if not m)
+      self.signature.append((path, owner, relevant, statics))
+    else:
+      self.signature.append((path, type(container), relevant))
     return True
 
   def _generic(self, obj, path, root) -> bool:
@@ -277,26 +406,10 @@ class _Walker:
       return False
     if len(children) == 1 and children[0][1] is obj:
       return False
-    self._seen.add(id(obj))
     found = False
     for key_path, child in children:
-      found |= self.walk(child, path + tuple(_key_name(k) for k in key_path), root)
+      found |= self.walk(child, path + tuple(key_name(k) for k in key_path), root)
     return found
-
-
-def _key_name(key) -> Hashable:
-  for attr in ('key', 'idx', 'name'):
-    if hasattr(key, attr):
-      return getattr(key, attr)
-  return str(key)
-
-
-def _hashable(value) -> Hashable:
-  try:
-    hash(value)
-    return value
-  except TypeError:
-    return ('<unhashable>', type(value), id(value))
 
 
 # -- roots reached through a callable ----------------------------------------------
@@ -323,22 +436,32 @@ def _param_names(fn) -> list[str]:
 
 
 class _Roots:
-  """Collects roots from arguments and from what a callable captures."""
+  """Collects roots from arguments and from what a callable captures.
+
+  Every closure cell and global name the code reads is guarded, whether or
+  not it led to a Variable; values that hold no graph node also enter the
+  signature, so rebinding one (``M = None`` to a module, ``scale = 2.0`` to
+  ``3.0``) gives a new trace instead of a stale one.
+  """
 
   def __init__(self, walker: _Walker):
     self.walker = walker
     self.roots: list[Root] = []
     self.cells: list = []
     self.globals: list = []
+    self.captured: list = []  # (name, static key) of captured values holding no graph node
     self._explored: set[int] = set()
 
-  def add(self, name, kind, obj) -> bool:
+  def add(self, name, kind: RootKind, obj) -> bool:
     if _is_callable_to_explore(obj):
       self.explore(obj)
       return True
     self.roots.append(Root(name, kind))
-    index = len(self.roots) - 1
-    return self.walker.walk(obj, (name,), index)
+    return self.walker.walk(obj, (name,), len(self.roots) - 1)
+
+  def _captured(self, name, kind: RootKind, obj) -> None:
+    if not self.add(name, kind, obj) and not isinstance(obj, types.ModuleType):
+      self.captured.append((name, static_key(obj)))
 
   def explore(self, fn) -> None:
     if id(fn) in self._explored:
@@ -350,15 +473,18 @@ class _Roots:
     elif isinstance(fn, functools.partial):
       names = _param_names(fn.func)
       for i, a in enumerate(fn.args):
-        self.add(names[i] if i < len(names) else f'partial{i}', 'partial', a)
+        self.add(names[i] if i < len(names) else f'partial{i}', RootKind.PARTIAL, a)
       for k, a in fn.keywords.items():
-        self.add(k, 'partial', a)
+        self.add(k, RootKind.PARTIAL, a)
       self.explore(fn.func)
     elif isinstance(fn, types.MethodType):
-      self.add('self', 'self', fn.__self__)
+      self.add('self', RootKind.SELF, fn.__self__)
       self.explore(fn.__func__)
-    elif isinstance(fn, nnx.Pytree):
-      self.add('self', 'self', fn)
+    elif isinstance(fn, nnx.Pytree) or _is_plain_object(fn):
+      self.add('self', RootKind.SELF, fn)
+      call = getattr(type(fn), '__call__', None)
+      if isinstance(call, types.FunctionType):
+        self.explore(call)
     elif isinstance(fn, types.FunctionType):
       self._function(fn)
     elif hasattr(fn, '__wrapped__'):
@@ -368,35 +494,37 @@ class _Roots:
     if hasattr(fn, '__wrapped__'):
       self.explore(fn.__wrapped__)
     code = fn.__code__
+    library = code.co_filename.startswith(_LIBRARY_DIRS)
     for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
       try:
         obj = cell.cell_contents
       except ValueError:
         continue
-      if self.add(name, 'closure', obj):
-        self.cells.append((cell, obj))
-    if code.co_filename.startswith(_LIBRARY_DIRS):
-      return  # a library's closures may wrap user code; its globals are its own
+      self.cells.append((cell, obj))
+      if library:  # a library's closures may wrap user code; only what leads to Variables counts
+        self.add(name, RootKind.CLOSURE, obj)
+      else:
+        self._captured(name, RootKind.CLOSURE, obj)
+    if library:
+      return  # a library's globals are its own
     namespace = fn.__globals__
     for name in _loaded_globals(code):
       obj = namespace.get(name, _MISSING)
       if obj is _MISSING:
-        continue
-      if self.add(name, 'global', obj):
-        self.globals.append((namespace, name, obj))
+        continue  # a builtin
+      self.globals.append((namespace, name, obj))
+      self._captured(name, RootKind.GLOBAL, obj)
     for i, default in enumerate(fn.__defaults__ or ()):
       names = code.co_varnames[: code.co_argcount]
-      self.add(names[len(names) - len(fn.__defaults__) + i], 'default', default)
+      self.add(names[len(names) - len(fn.__defaults__) + i], RootKind.DEFAULT, default)
     for k, default in (fn.__kwdefaults__ or {}).items():
-      self.add(k, 'default', default)
+      self.add(k, RootKind.DEFAULT, default)
 
 
 def _is_callable_to_explore(obj) -> bool:
-  if isinstance(obj, (types.FunctionType, functools.partial)):
+  if isinstance(obj, (types.FunctionType, functools.partial, types.MethodType)):
     return True
-  if isinstance(obj, types.MethodType):
-    return True
-  if isinstance(obj, nnx.Pytree):
+  if isinstance(obj, nnx.Pytree) or _is_plain_object(obj):
     return False
   return callable(obj) and hasattr(obj, '__wrapped__') and not isinstance(obj, type)
 
@@ -405,16 +533,16 @@ def discover(fun: Callable, args: tuple, kwargs: dict) -> Discovery:
   """Every Variable ``fun(*args, **kwargs)`` can reach, in discovery order.
 
   Arguments come first (positional by index, then keywords by name), then
-  what ``fun`` captures. Raises ``ValueError`` naming a Variable that holds a
-  leaked tracer.
+  what ``fun`` captures. Raises ``TypeError`` naming a Variable created
+  with ``hijax=True`` or ``ref=True``.
   """
   walker = _Walker()
   roots = _Roots(walker)
   for i, a in enumerate(args):
-    roots.roots.append(Root(i, 'arg'))
+    roots.roots.append(Root(i, RootKind.ARG))
     walker.walk(a, (i,), len(roots.roots) - 1)
   for k, a in kwargs.items():
-    roots.roots.append(Root(k, 'kwarg'))
+    roots.roots.append(Root(k, RootKind.KWARG))
     walker.walk(a, (k,), len(roots.roots) - 1)
   roots.explore(fun)
   return Discovery(
@@ -422,23 +550,23 @@ def discover(fun: Callable, args: tuple, kwargs: dict) -> Discovery:
     paths=tuple(walker.paths),
     root_of=tuple(walker.root_of),
     roots=tuple(roots.roots),
-    nodes=tuple(walker.nodes),
-    node_paths=tuple(walker.node_paths),
+    node_refs=tuple(map(weakref.ref, walker.nodes)),
+    containers=tuple(walker.watched),
     streams=tuple(walker.streams),
     guard=Guard(roots.cells, roots.globals, walker.containers, walker.masks),
-    signature=tuple(walker.signature),
+    signature=(tuple(walker.signature), tuple(roots.captured)),
   )
 
 
-def walk_new(objects, known: Discovery):
-  """Variables and Pytree nodes reachable from ``objects`` that ``known`` lacks.
+def walk_new(known: Discovery):
+  """Variables and Pytree nodes reachable from ``known``'s containers that it lacks.
 
   Used after a traced call to find Variables the function created and
-  attached to existing graph nodes.
+  attached to existing graph nodes, plain objects, dicts or lists.
   """
   walker = _Walker(known_ids={id(v) for v in known.variables})
-  for i, obj in enumerate(objects):
-    walker.walk(obj, (i,), 0)
+  for i, container in enumerate(known.containers):
+    walker.walk(list(container.values()) if isinstance(container, dict) else list(container), (i,), 0)
   known_nodes = {id(n) for n in known.nodes}
   new_nodes = [n for n in walker.nodes if id(n) not in known_nodes]
   return tuple(walker.variables), tuple(new_nodes)

@@ -26,15 +26,11 @@ from flax import nnx
 
 from brainnx import _compat
 
-__all__ = ['AxisRules', 'BatchAxisError', 'describe']
+__all__ = ['AxisRules', 'BatchAxisError']
 
 
 class BatchAxisError(ValueError):
   """A Variable's batch axis is not what the mapping needs (see ``vmap``)."""
-
-
-def describe(path, variable) -> str:
-  return f'{type(variable).__name__} at {tuple(path)!r}'
 
 
 class _SameObject:
@@ -73,7 +69,6 @@ class AxisRules:
   """Ordered ``(axis, predicate)`` entries built from a user's rule spec."""
 
   def __init__(self, spec: Any, what: str):
-    self.what = what
     self.entries: list[tuple[int | None, Any, Any]] = []  # (axis, predicate, original filter)
     if spec is None:
       return

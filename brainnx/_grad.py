@@ -25,11 +25,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from brainnx import _compat
-from brainnx._arguments import CallArgs
-from brainnx._discovery import Discovery, discover, is_graph_node, walk_new
+from brainnx._arguments import ArgKind, CallArgs
+from brainnx._discovery import Discovery, discover, is_graph_node
+from brainnx._eager import run
 from brainnx._filters import to_filter
-from brainnx._jit import JittedFunction
-from brainnx._tracing import swapped, write_values
+from brainnx._tracing import state_step, write_values
 
 __all__ = ['grad', 'value_and_grad']
 
@@ -107,9 +107,9 @@ def _grad_call(fun, grad_states, argnums, argnums_is_int, has_aux, args, kwargs)
   target_at = [disc.index_of(v) for v in targets.variables]
   diff_args = tuple(k for k in (argnums or ()) if k not in targets.node_args)
   for k in diff_args:
-    if call.kinds[k] != 'dyn':
+    if call.kinds[k] is not ArgKind.DYN:
       raise TypeError(f'grad: argument {k} (argnums) must be arrays, not a container holding Modules')
-  side = {}
+  written: list = []  # indices the traced call wrote, read once jax.value_and_grad returns
 
   def pure(target_vals, arg_vals):
     states = list(values)
@@ -120,29 +120,25 @@ def _grad_call(fun, grad_states, argnums, argnums_is_int, has_aux, args, kwargs)
     for k, x in zip(diff_args, arg_vals):
       new_args[k] = x
     dyn_call = CallArgs.split(tuple(new_args), kwargs)
-    with swapped(disc, states):
-      call_args, call_kwargs = dyn_call.rebuild(dyn_call.dyn, call.nodes)
-      out = fun(*call_args, **call_kwargs)
-      now = [_compat.raw_value(v) for v in disc.variables]
-      new_vars, _ = walk_new(disc.nodes, disc)
-      if new_vars:
-        raise ValueError('grad: the function creates Variables; create them before differentiating')
-    written = [i for i, (a, b) in enumerate(zip(now, states)) if a is not b]
-    side['written'] = written
+    step = state_step(fun, disc, dyn_call, states, dyn_call.dyn, keep_new=False)
+    if step.new_vars:
+      raise ValueError('grad: the function creates Variables; create them before differentiating')
+    written.extend(step.written)
+    out = step.out
     if has_aux:
       if not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError('grad: with has_aux=True the function must return a pair (value, aux)')
       value, aux = out
     else:
       value, aux = out, None
-    return value, (aux, [now[i] for i in written])
+    return value, (aux, step.written_values())
 
   target_vals = [_compat.raw_value(v) for v in targets.variables]
   arg_vals = [args[k] for k in diff_args]
   (value, (aux, written_vals)), (g_states, g_args) = jax.value_and_grad(pure, argnums=(0, 1), has_aux=True)(
     target_vals, arg_vals
   )
-  write_values(disc, side['written'], written_vals)
+  write_values(disc, written, written_vals)
   state_grads = targets.pack_states(g_states)
   arg_grads = None
   if argnums is not None:
@@ -164,7 +160,6 @@ class GradFunction:
     self.argnums = (argnums,) if isinstance(argnums, int) else (tuple(argnums) if argnums is not None else None)
     functools.update_wrapper(self, fun, updated=())
     self.__wrapped__ = fun
-    self._jitted = JittedFunction((fun, grad_states), (), (), (), {}, traced=self._impl)
 
   def _impl(self, *args, **kwargs):
     value, aux, state_grads, arg_grads = _grad_call(
@@ -187,9 +182,7 @@ class GradFunction:
     return grads
 
   def __call__(self, *args, **kwargs):
-    if _compat.at_top_level():
-      return self._jitted(*args, **kwargs)
-    return self._impl(*args, **kwargs)
+    return run(GradFunction._impl, (self,), (), args, kwargs, discover_from=(self.fun, self.grad_states))
 
 
 def grad(

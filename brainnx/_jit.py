@@ -1,12 +1,14 @@
 """``jit``: compile a stateful function; Python runs once per abstract signature.
 
 Each call finds a *plan*: the discovered Variables and the compiled program
-for this call's graph nodes and static arguments. A plan is reused while its
-guard holds (same objects under the same names and attributes), so a warm
-call costs one identity check per container, one value read per Variable,
-the ``jax.jit`` dispatch, and one write per written Variable. The compiled
-program evaluates the ``StatefulFunction`` jaxpr, so a weak-type-only change
-re-lowers without running Python again.
+for this call's references (graph nodes passed as arguments) and static
+arguments. A plan is reused while its guard holds (same objects under the
+same names and attributes), so a warm call costs one identity check per
+container, one value read per Variable, the ``jax.jit`` dispatch, and one
+write per written Variable. The compiled program evaluates the
+``StatefulFunction`` jaxpr; weak types are part of its signature, as in
+``jax.jit``. A plan holds the objects passed by reference weakly:
+dropping a model drops its plan.
 
 Example:
   >>> import jax.numpy as jnp
@@ -24,24 +26,34 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
+import weakref
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 
 from brainnx import _compat
-from brainnx._arguments import CallArgs, contains_graph_node, normalize_static_argnums
-from brainnx._discovery import Discovery, discover
-from brainnx._tracing import LRUCache, StatefulFunction, Trace, adopt_new, write_values
+from brainnx._arguments import ArgKind, CallArgs, StaticArgs, normalize_argnums
+from brainnx._caches import LRUCache
+from brainnx._discovery import Discovery, discover, holds_graph_node
+from brainnx._tracing import TRACE_LOCK, StatefulFunction, Trace, abstract_states, adopt_new, write_values
 
-__all__ = ['jit', 'JittedFunction']
+__all__ = ['jit', 'JittedFunction', 'JitOptions']
 
-_ARRAY_IMPL = type(jnp.zeros(()))
-_FAST_DYN = (_ARRAY_IMPL, int, float, bool, complex)
-_tls = threading.local()
+_FAST_DYN = (_compat.ArrayImpl, int, float, bool, complex)
 _raw_value = _compat.raw_value
+_MISS = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class JitOptions:
+  """How a ``JittedFunction`` compiles: static and donated arguments, ``jax.jit`` keywords."""
+
+  statics: StaticArgs = StaticArgs()
+  donate_argnums: tuple[int, ...] = ()
+  jax_kwargs: tuple[tuple[str, Any], ...] = ()
 
 
 class _Packed:
@@ -60,75 +72,111 @@ jax.tree_util.register_pytree_node(
 )
 
 
+class _PlanRef(int):
+  """The ``jax.jit`` static argument that carries the current plan into a trace.
+
+  Every plan of one compiled program has the same discovery and call
+  signature (the program is chosen by them), so all carriers are equal (an
+  int: hashed and compared in C); the plan itself is held weakly.
+  """
+
+  def __new__(cls, plan):
+    self = super().__new__(cls, 0)
+    self.plan = weakref.ref(plan)
+    return self
+
+
 class _Plan:
-  """Everything a warm call needs, for one set of graph-node arguments."""
+  """Everything a warm call needs, for one set of reference arguments."""
 
-  __slots__ = (
-    'disc', 'call', 'compiled', 'variables', 'n_args', 'kw_names',
-    'node_slots', 'node_objs', 'static_slots', 'static_vals', 'dyn_slots', 'fast', 'warm',
-  )
-
-  def __init__(self, disc: Discovery, call: CallArgs, compiled):
-    self.disc, self.call, self.compiled = disc, call, compiled
+  def __init__(self, disc: Discovery, call: CallArgs, compiled, on_drop: Callable):
+    self.disc, self.compiled = disc, compiled
+    self.call = dataclasses.replace(call, refs=())  # held weakly below
+    self.ref_refs = tuple(weakref.ref(x, on_drop) if _weakrefable(x) else _Strong(x) for x in call.refs)
+    self.carrier = _PlanRef(self)
     self.variables = disc.variables
-    self.n_args, self.kw_names = call.n_args, call.kw_names
-    kinds = call.kinds
-    self.node_slots = tuple(s for s, k in enumerate(kinds) if k == 'node')
-    self.node_objs = call.nodes if 'mixed' not in kinds else ()
-    self.static_slots = tuple(s for s, _ in call.statics)
-    self.static_vals = tuple(v for _, v in call.statics)
-    self.dyn_slots = tuple(s for s, k in enumerate(kinds) if k == 'dyn')
-    self.fast = 'mixed' not in kinds
     self.warm = _warm_call(self)
+
+  def live_call(self) -> CallArgs:
+    """The call with its reference arguments (alive while a call that passed them runs)."""
+    return dataclasses.replace(self.call, refs=tuple(r() for r in self.ref_refs))
+
+  def state(self) -> list:
+    with TRACE_LOCK:
+      return list(map(_raw_value, self.variables))
 
   def match(self, args: tuple, kwargs: dict):
     """The dynamic values for this call if the plan applies, else ``None``."""
-    if not self.fast or len(args) != self.n_args or tuple(kwargs) != self.kw_names:
+    call = self.call
+    if call.has_mixed or len(args) != call.n_args or tuple(kwargs) != call.kw_names:
       return None
     if kwargs:
       args = args + tuple(kwargs.values())
-    for s, obj in zip(self.node_slots, self.node_objs):
-      if args[s] is not obj:
+    for s, ref in zip(call.slots_of(ArgKind.REF), self.ref_refs):
+      if args[s] is not ref():
         return None
-    for s, value in zip(self.static_slots, self.static_vals):
+    for s, value in call.statics:
       if args[s] is not value and not (type(args[s]) is type(value) and args[s] == value):
         return None
-    dyn = tuple([args[s] for s in self.dyn_slots])
+    dyn = tuple([args[s] for s in call.slots_of(ArgKind.DYN)])
     for x in dyn:
-      if type(x) not in _FAST_DYN and contains_graph_node(x):
+      if type(x) not in _FAST_DYN and holds_graph_node(x):
         return None
     return dyn if self.disc.guard.ok() else None
+
+
+class _Strong:
+  """A strong stand-in for ``weakref.ref`` where an object cannot be weakly referenced."""
+
+  __slots__ = ('obj',)
+
+  def __init__(self, obj):
+    self.obj = obj
+
+  def __call__(self):
+    return self.obj
+
+
+def _weakrefable(x) -> bool:
+  try:
+    weakref.ref(x)
+  except TypeError:
+    return False
+  return True
 
 
 def _warm_call(plan: _Plan):
   """``warm(args, kwargs)``: the call if ``plan`` applies, else ``_MISS``.
 
   A closure over locals, specialised for the common shapes (dynamic
-  positional arguments only; graph nodes then dynamic arguments), because
+  positional arguments only; references then dynamic arguments), because
   every attribute lookup here is paid on every call.
   """
-  guard, compiled, variables, n = plan.disc.guard.ok, plan.compiled, plan.variables, plan.n_args
-  raw, tls, fast_dyn = _raw_value, _tls, _FAST_DYN
+  guard, compiled, variables, carrier = plan.disc.guard.ok, plan.compiled, plan.variables, plan.carrier
+  raw, fast_dyn, lock = _raw_value, _FAST_DYN, TRACE_LOCK
+  call = plan.call
+  n = call.n_args
 
-  if plan.fast and not plan.kw_names and not plan.static_slots:
-    node_pairs = tuple(zip(plan.node_slots, plan.node_objs))
-    dyn_slots = plan.dyn_slots
-    simple = not node_pairs
+  if not call.has_mixed and not call.kw_names and not call.statics:
+    ref_pairs = tuple(zip(call.slots_of(ArgKind.REF), plan.ref_refs))
+    dyn_slots = call.slots_of(ArgKind.DYN)
+    simple = not ref_pairs
 
     def warm(args, kwargs):
       if kwargs or len(args) != n:
         return _MISS
-      for s, obj in node_pairs:
-        if args[s] is not obj:
+      for s, ref in ref_pairs:
+        if args[s] is not ref():
           return _MISS
       dyn = args if simple else tuple([args[s] for s in dyn_slots])
       for x in dyn:
-        if type(x) not in fast_dyn and contains_graph_node(x):
+        if type(x) not in fast_dyn and holds_graph_node(x):
           return _MISS
       if not guard():
         return _MISS
-      tls.plan = plan
-      return _complete(plan, compiled(list(map(raw, variables)), *dyn))
+      with lock:
+        state = list(map(raw, variables))
+      return _complete(plan, compiled(carrier, state, *dyn))
 
     return warm
 
@@ -136,13 +184,9 @@ def _warm_call(plan: _Plan):
     dyn = plan.match(args, kwargs)
     if dyn is None:
       return _MISS
-    tls.plan = plan
-    return _complete(plan, compiled(list(map(raw, variables)), *dyn))
+    return _complete(plan, compiled(carrier, plan.state(), *dyn))
 
   return warm_general
-
-
-_MISS = object()
 
 
 def _cold(args, kwargs):
@@ -150,22 +194,26 @@ def _cold(args, kwargs):
 
 
 class JittedFunction:
-  """The callable ``jit`` returns. See :func:`jit`."""
+  """The callable ``jit`` returns. See :func:`jit`.
 
-  def __init__(self, fun, static_argnums, static_argnames, donate_argnums, jit_kwargs, traced=None):
+  ``fun`` is what discovery starts from; ``traced`` (default ``fun``) is
+  what runs inside the trace (the transforms pass their own body).
+  """
+
+  def __init__(self, fun, options: JitOptions = JitOptions(), traced=None, name=None):
     self.__wrapped__ = fun
-    functools.update_wrapper(self, fun, updated=())
+    if callable(fun) and not isinstance(fun, (tuple, list)):
+      functools.update_wrapper(self, fun, updated=())
     self._fun = fun
-    self._static_argnums = normalize_static_argnums(static_argnums)
-    self._static_argnames = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
-    self._donate_argnums = normalize_static_argnums(donate_argnums, 'donate_argnums')
-    overlap = set(self._donate_argnums) & set(self._static_argnums)
+    self._options = options
+    self._donate_argnums = normalize_argnums(options.donate_argnums, 'donate_argnums')
+    overlap = set(self._donate_argnums) & set(options.statics.argnums)
     if overlap:
       raise ValueError(f'arguments {sorted(overlap)} cannot be both static and donated')
-    self._jit_kwargs = jit_kwargs
     self.stateful_fun = StatefulFunction(
-      traced or fun, self._static_argnums, self._static_argnames, name=getattr(fun, '__name__', None)
+      traced or fun, name=name or getattr(fun, '__name__', None)
     )
+    self.stateful_fun.statics = options.statics
     self._compiled = LRUCache(64)
     self._plans = LRUCache(16)
     self._warm = _cold
@@ -177,24 +225,33 @@ class JittedFunction:
     out = self._warm(args, kwargs)
     if out is not _MISS:
       return out
-    return _run(*self._plan_for(args, kwargs))
+    return self._cold_call(args, kwargs)
 
-  def _plan_for(self, args, kwargs) -> tuple[_Plan, tuple]:
-    call = CallArgs.split(args, kwargs, self._static_argnums, self._static_argnames)
-    key = tuple(map(id, call.nodes)) + (call.signature,)
+  def _cold_call(self, args, kwargs):
+    plan, dyn, disc = self._plan_for(args, kwargs)
+    contents = disc.snapshot()
+    try:
+      result = plan.compiled(plan.carrier, plan.state(), *dyn)
+    except BaseException:
+      disc.restore(contents)  # a failed compile or run keeps no attribute the trace added
+      raise
+    return _complete(plan, result)
+
+  def _plan_for(self, args, kwargs) -> tuple[_Plan, tuple, Discovery]:
+    call = CallArgs.split(args, kwargs, self._options.statics)
+    key = tuple(map(id, call.refs)) + (call.signature,)
     plan = self._plans.get(key)
     if plan is not None and plan.disc.guard.ok():
-      plan_call = plan.call
-      if all(a is b for a, b in zip(plan_call.nodes, call.nodes)):
+      if all(r() is x for r, x in zip(plan.ref_refs, call.refs)):
         self._warm = plan.warm
-        return plan, call.dyn
+        return plan, call.dyn, plan.disc
     disc = discover(self._fun, args, kwargs)
-    _check_no_leaked_tracers(disc)
+    _check_values(disc)
     compiled = self._compiled_for(disc, call)
-    plan = _Plan(disc, call, compiled)
+    plan = _Plan(disc, call, compiled, _evictor(self, key))
     self._plans.set(key, plan)
     self._warm = plan.warm
-    return plan, call.dyn
+    return plan, call.dyn, disc
 
   def _compiled_for(self, disc: Discovery, call: CallArgs):
     key = (disc.signature, call.signature)
@@ -203,11 +260,18 @@ class JittedFunction:
       if compiled is None:
         compiled = jax.jit(
           functools.partial(_body, self.stateful_fun),
+          static_argnums=0,
           donate_argnums=_donated_positions(call, self._donate_argnums),
-          **self._jit_kwargs,
+          **dict(self._options.jax_kwargs),
         )
         self._compiled.set(key, compiled)
     return compiled
+
+  def _drop_plan(self, key) -> None:
+    plan = self._plans.get(key)
+    self._plans.pop(key)
+    if plan is not None and self._warm is plan.warm:
+      self._warm = _cold
 
   def cache_sizes(self) -> dict:
     """Sizes of the plan, compiled-program and trace caches (all bounded)."""
@@ -217,12 +281,11 @@ class JittedFunction:
       'traces': len(self.stateful_fun._cache),
     }
 
-  def lower(self, *args, **kwargs):
-    """``jax.stages.Lowered`` for these arguments (states become leading inputs)."""
-    plan, dyn = self._plan_for(args, kwargs)
-    _tls.plan = plan
-    state = list(map(_compat.raw_value, plan.variables))
-    return plan.compiled.lower(state, *dyn)
+  def lower(self, *args, **kwargs) -> 'Lowered':
+    """The lowered program for these arguments; ``.compile()`` gives a callable that takes
+    the same arguments as the function and writes Variables back."""
+    plan, dyn, _ = self._plan_for(args, kwargs)
+    return Lowered(self, plan.compiled.lower(plan.carrier, plan.state(), *dyn))
 
   def clear_cache(self) -> None:
     """Forget plans, compiled programs and traces (the next call retraces)."""
@@ -241,21 +304,62 @@ class JittedFunction:
     return functools.partial(self, obj)
 
 
+def _evictor(jitted: JittedFunction, key):
+  """A weakref callback dropping the plan ``key`` once one of its reference arguments dies."""
+  owner = weakref.ref(jitted)
+
+  def drop(_):
+    j = owner()
+    if j is not None:
+      j._drop_plan(key)
+
+  return drop
+
+
+class Lowered:
+  """``jax.stages.Lowered`` of a brainnx call; ``compile()`` keeps brainnx's calling convention."""
+
+  def __init__(self, jitted: JittedFunction, lowered):
+    self._jitted, self._lowered = jitted, lowered
+
+  def compile(self, *args, **kwargs) -> 'Compiled':
+    return Compiled(self._jitted, self._lowered.compile(*args, **kwargs))
+
+  def __getattr__(self, name):
+    return getattr(self._lowered, name)
+
+
+class Compiled:
+  """A compiled brainnx call: ``compiled(*args, **kwargs)`` reads and writes Variables as the
+  jitted function does; ``memory_analysis()``, ``cost_analysis()``, ``as_text()`` are JAX's."""
+
+  def __init__(self, jitted: JittedFunction, compiled):
+    self._jitted, self._compiled = jitted, compiled
+
+  def __call__(self, *args, **kwargs):
+    plan, dyn, _ = self._jitted._plan_for(args, kwargs)
+    return _complete(plan, self._compiled(plan.state(), *dyn))  # a Compiled takes no static arguments
+
+  def __getattr__(self, name):
+    return getattr(self._compiled, name)
+
+
 def _donated_positions(call: CallArgs, donate_argnums) -> tuple[int, ...]:
+  """Positions in ``(carrier, state, *dyn)`` of the donated dynamic arguments."""
   positions, k = [], 0
   for slot, kind in enumerate(call.kinds):
-    if kind == 'dyn':
+    if kind is ArgKind.DYN:
       if slot in donate_argnums:
-        positions.append(1 + k)
+        positions.append(2 + k)
       k += 1
-    elif kind == 'mixed':
+    elif kind is ArgKind.MIXED:
       k += sum(1 for s, _, mask in call.mixed if s == slot for m in mask if not m)
   return tuple(positions)
 
 
-def _body(sf: StatefulFunction, state: list, *dyn):
-  plan: _Plan = _tls.plan
-  trace: Trace = sf.trace_for(plan.disc, plan.call, state, dyn)
+def _body(sf: StatefulFunction, carrier: _PlanRef, state: list, *dyn):
+  plan: _Plan = carrier.plan()
+  trace: Trace = sf.trace_for(plan.disc, plan.live_call(), state, dyn)
   written, new, out_leaves = trace.run([state[i] for i in trace.states], jax.tree.leaves(dyn))
   # A dict keyed by Variable index carries the written set in the output's
   # (C++-native) tree structure, so a cache hit needs no Python unflatten.
@@ -263,11 +367,6 @@ def _body(sf: StatefulFunction, state: list, *dyn):
   if trace.new_vars or trace.out_spec.has_nodes or trace.closed.effects:
     return _Packed(written, new, out_leaves, trace)
   return written, trace.out_spec.rebuild(out_leaves, plan.disc)
-
-
-def _run(plan: _Plan, dyn: tuple):
-  _tls.plan = plan
-  return _complete(plan, plan.compiled(list(map(_raw_value, plan.variables)), *dyn))
 
 
 def _complete(plan: _Plan, result):
@@ -282,8 +381,9 @@ def _complete(plan: _Plan, result):
 
 def _write(plan: _Plan, written: dict) -> None:
   values = written.values()
-  if type(next(iter(values))) is _ARRAY_IMPL:  # concrete: we run eagerly, the write is ours
-    _compat.set_raw_values(map(plan.variables.__getitem__, written), values)
+  if type(next(iter(values))) is _compat.ArrayImpl:  # concrete: we run eagerly, the write is ours
+    with TRACE_LOCK:
+      _compat.set_raw_values(map(plan.variables.__getitem__, written), values)
   else:
     write_values(plan.disc, tuple(written), tuple(values))
 
@@ -300,7 +400,10 @@ def _finish(plan: _Plan, packed: _Packed):
   return trace.out_spec.rebuild(packed.out, plan.disc)
 
 
-def _check_no_leaked_tracers(disc: Discovery) -> None:
+def _check_values(disc: Discovery) -> None:
+  """Every Variable holds arrays (``TypeError`` naming it), and no leaked tracer at top level."""
+  values = [_compat.raw_value(v) for v in disc.variables]
+  abstract_states(disc, values)
   if not _compat.at_top_level():
     return
   for i, v in enumerate(disc.variables):
@@ -323,13 +426,23 @@ def jit(
   """Compile ``fun``, reading and writing the Variables it can reach.
 
   Works as ``jit(f)``, ``@jit`` and ``@jit(static_argnums=...)``. Variables
-  come from arguments, ``self``, ``functools.partial``s, closures and globals;
-  writes are visible afterwards on the same Variable objects. Graph nodes
-  passed as arguments travel by reference. Static arguments are compared by
-  value and must be hashable. Other keyword arguments go to ``jax.jit``.
+  come from arguments, ``self``, ``functools.partial``s, closures, globals
+  and the attributes of plain objects (a ``Trainer`` holding a model and an
+  optimizer); writes are visible afterwards on the same Variable objects.
+  Graph nodes passed as arguments travel by reference. Static arguments are
+  compared by type and value and must be hashable; ``static_argnames`` also
+  covers those arguments passed by position and ``static_argnums`` those
+  passed by keyword, as in ``jax.jit``. Other keyword arguments go to
+  ``jax.jit``.
 
-  The returned function has ``.lower(*args)``, ``.clear_cache()`` and
+  The returned function has ``.lower(*args)`` (whose ``.compile()`` is
+  callable with the same arguments and writes back), ``.clear_cache()`` and
   ``.stateful_fun`` (the underlying :class:`StatefulFunction`).
+
+  Threads: calls of brainnx transforms never see another thread's tracers.
+  A plain read of a Variable (``v[...]``) outside any brainnx call while
+  another thread traces a function using it may see a tracer: read it
+  inside a brainnx call, or after the other thread's call returns.
 
   Example:
     >>> import jax.numpy as jnp
@@ -350,4 +463,9 @@ def jit(
     )
   if not callable(fun):
     raise TypeError(f'jit needs a callable, got {type(fun).__name__}')
-  return JittedFunction(fun, static_argnums, static_argnames, donate_argnums, jax_jit_kwargs)
+  options = JitOptions(
+    statics=StaticArgs.resolve(fun, static_argnums, static_argnames),
+    donate_argnums=normalize_argnums(donate_argnums, 'donate_argnums'),
+    jax_kwargs=tuple(jax_jit_kwargs.items()),
+  )
+  return JittedFunction(fun, options)

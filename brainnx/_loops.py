@@ -20,7 +20,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import jax
@@ -28,33 +27,14 @@ import jax.numpy as jnp
 
 from brainnx import _compat
 from brainnx._arguments import CallArgs
-from brainnx._discovery import discover, is_graph_node
-from brainnx._progress import runner_for
-from brainnx._tracing import LRUCache, trace_call, write_values
+from brainnx._discovery import Discovery, discover, is_graph_node
+from brainnx._eager import run
+from brainnx._progress import ProgressBar, check_pbar, runner_for
+from brainnx._tracing import Trace, abstract_args, abstract_states, aval_key, trace_call, write_values
 
 __all__ = [
   'scan', 'for_loop', 'checkpointed_scan', 'checkpointed_for_loop', 'while_loop', 'fori_loop',
 ]
-
-
-_COMPILED = LRUCache(64)
-
-
-def eager() -> bool:
-  """True outside any trace (and outside ``jax.disable_jit``): run through ``jit``."""
-  return _compat.at_top_level() and not jax.config.jax_disable_jit
-
-
-def compiled_loop(impl: Callable, f, config: tuple):
-  """A cached ``brainnx.jit`` of ``impl(f, *args, *config)``, discovering from ``f``."""
-  from brainnx._jit import JittedFunction
-
-  key = (impl, f, config)
-  jitted = _COMPILED.get(key)
-  if jitted is None:
-    jitted = JittedFunction(f, (), (), (), {}, traced=lambda *args: impl(f, *args, *config))
-    _COMPILED.set(key, jitted)
-  return jitted
 
 
 def _check_callable(f, name: str) -> None:
@@ -62,13 +42,13 @@ def _check_callable(f, name: str) -> None:
     raise TypeError(f'{name}: f argument should be a callable, got {type(f).__name__}')
 
 
-def _loop_length(xs, length, name: str) -> int:
-  leaves = jax.tree.leaves(xs)
+def leading_length(xs, length, name: str) -> int:
+  """The common leading-axis size of ``xs`` (checked against ``length`` when given)."""
   lengths = []
-  for leaf in leaves:
+  for leaf in jax.tree.leaves(xs):
     shape = jnp.shape(leaf)
     if not shape:
-      raise ValueError(f'{name} got value with no leading axis to scan over: {leaf!r}')
+      raise ValueError(f'{name} got a scalar, a value with no leading axis to scan over: {leaf!r}')
     lengths.append(shape[0])
   if length is not None:
     length = int(length)
@@ -76,7 +56,10 @@ def _loop_length(xs, length, name: str) -> int:
       raise ValueError(f'{name} got `length` argument of {length} which disagrees with leading axis sizes {lengths}')
     return length
   if len(set(lengths)) > 1:
-    raise ValueError(f'{name} got values with different leading axis sizes: {", ".join(map(str, lengths))}')
+    raise ValueError(
+      f'{name} got values with different leading sizes (different leading axis sizes: '
+      f'{", ".join(map(str, lengths))}); give every input the same leading axis length'
+    )
   if not lengths:
     raise ValueError(f'{name} got no values to scan over and `length` not provided')
   return lengths[0]
@@ -93,24 +76,43 @@ def _strong(x):
   return jax.lax.convert_element_type(x, jnp.result_type(x))
 
 
+def _split_pbar(pbar) -> tuple:
+  """``(ProgressBar or None, hashable rest)``: a bar object is held weakly by the eager cache."""
+  check_pbar(pbar)
+  return (pbar, None) if isinstance(pbar, ProgressBar) else (None, pbar)
+
+
 class _Body:
-  """``f(*args)`` traced once, as a pure function of carried and constant values.
+  """``f(*args)`` traced as a pure function of carried and constant values.
 
   ``written`` Variables (indices into the discovery) travel in the carry;
-  the rest of the touched ones are read from their current values.
+  the rest of the touched ones are read from their current values. A call
+  with other abstract values (JAX promoting a weakly typed carry) traces
+  again; a write that changes a carried Variable's shape or dtype is an
+  error naming it.
   """
 
-  def __init__(self, f: Callable, args: tuple, name: str, extra_discovery: Callable | None = None):
-    self.name = name
+  def __init__(self, f: Callable, args: tuple, name: str, disc: Discovery | None = None):
+    self.f, self.name = f, name
     self.call = CallArgs.split(args, {})
-    self.disc = discover(extra_discovery or f, args, {})
+    self.disc = disc if disc is not None else discover(f, args, {})
     self.values = [_compat.raw_value(v) for v in self.disc.variables]
-    self.trace = trace_call(f, self.disc, self.call, self.values, self.call.dyn, keep_structure=False)
+    self._dyn_def = jax.tree.structure(list(self.call.dyn))
+    self._traces: dict = {}
+    self.trace = self._trace_for(abstract_states(self.disc, self.values), abstract_args(self.call.dyn))
     if self.trace.new_vars or any(s[0] == 'new' for s in self.trace.out_spec.slots):
       raise ValueError(
         f'{name}: the loop body creates Variables or Modules; create them before the loop '
         '(or use brainnx.vmap_new_states outside it) and only update them inside'
       )
+
+  def _trace_for(self, state_avals, dyn_avals) -> Trace:
+    key = (aval_key(state_avals), aval_key(dyn_avals))
+    trace = self._traces.get(key)
+    if trace is None:
+      trace = trace_call(self.f, self.disc, self.call, state_avals, dyn_avals, keep_new=False)
+      self._traces[key] = trace
+    return trace
 
   @property
   def written(self) -> tuple[int, ...]:
@@ -119,15 +121,22 @@ class _Body:
   def initial_written(self) -> list:
     return [jax.tree.map(_strong, self.values[i]) for i in self.written]
 
-  def run(self, carried: list, dyn_leaves: list, trace=None) -> tuple[list, list]:
+  def run(self, carried: list, dyn_leaves: list) -> tuple[list, list]:
     """Evaluate: ``(new written values, output leaves)``, carried values keeping their types."""
-    trace = trace or self.trace
     pos = {i: k for k, i in enumerate(self.written)}
-    states = [carried[pos[i]] if i in pos else self.values[i] for i in trace.states]
-    outs, _, out_leaves = trace.run(states, dyn_leaves)
-    if trace is not self.trace:
-      return carried, out_leaves
+    states = [carried[pos[i]] if i in pos else x for i, x in enumerate(self.values)]
+    dyn = jax.tree.unflatten(self._dyn_def, list(dyn_leaves))
+    trace = self._trace_for(abstract_states(self.disc, states), abstract_args(dyn))
+    if trace.written != self.written:
+      raise ValueError(f'{self.name}: the body writes other Variables when traced again with new input types')
+    outs, _, out_leaves = trace.run([states[i] for i in trace.states], dyn_leaves)
     return [self._keep_type(o, c, i) for o, c, i in zip(outs, carried, self.written)], out_leaves
+
+  def run_readonly(self, values: list, dyn_leaves: list) -> list:
+    """Output leaves for the given value of every discovered Variable (a body that writes nothing)."""
+    dyn = jax.tree.unflatten(self._dyn_def, list(dyn_leaves))
+    trace = self._trace_for(abstract_states(self.disc, values), abstract_args(dyn))
+    return trace.run([values[i] for i in trace.states], dyn_leaves)[2]
 
   def _keep_type(self, new, old, i):
     def one(n, o):
@@ -136,7 +145,15 @@ class _Body:
           f'{self.name}: {self.disc.describe(i)} changes shape inside the loop, '
           f'from {jnp.shape(o)} to {jnp.shape(n)}; loop-carried Variables must keep their shape'
         )
-      return n if _is_key(n) else jax.lax.convert_element_type(n, jnp.result_type(o))
+      if _is_key(n):
+        return n
+      if jnp.result_type(n) != jnp.result_type(o) and not jax.typeof(n).weak_type:
+        raise ValueError(
+          f'{self.name}: {self.disc.describe(i)} changes dtype inside the loop, from '
+          f'{jnp.result_type(o)} to {jnp.result_type(n)}; loop-carried Variables must keep their '
+          'dtype: cast the new value back, e.g. `v[...] = new.astype(v.dtype)`'
+        )
+      return jax.lax.convert_element_type(n, jnp.result_type(o))
 
     return jax.tree.map(one, new, old)
 
@@ -175,14 +192,14 @@ def _scan_parts(f, init, xs, name):
 
 
 def _python_scan(f, init, xs, n, reverse, runner):
-  run = runner.bar._open(n) if runner else None
+  run_id = runner._open() if runner else None
   carry, ys = init, []
   order = range(n - 1, -1, -1) if reverse else range(n)
   for step, i in enumerate(order):
     carry, y = f(carry, jax.tree.map(lambda a: a[i], xs))
     ys.append(y)
     if runner:
-      runner.step_eager(run, step, carry, y)
+      runner.step_eager(run_id, step, carry, y)
   if reverse:
     ys.reverse()
   if not ys:
@@ -204,14 +221,13 @@ def scan(f: Callable, init: Any, xs: Any, length: int | None = None, reverse: bo
     [10, 10, 9, 7, 4]
   """
   _check_callable(f, 'scan')
-  if eager():
-    return compiled_loop(_scan_impl, f, (length, reverse, unroll, pbar))(init, xs)
-  return _scan_impl(f, init, xs, length, reverse, unroll, pbar)
+  bar, rest = _split_pbar(pbar)
+  return run(_scan_impl, (f, bar), (length, reverse, unroll, rest), (init, xs))
 
 
-def _scan_impl(f, init, xs, length, reverse, unroll, pbar):
-  n = _loop_length(xs, length, 'scan')
-  runner = runner_for(pbar, n)
+def _scan_impl(f, bar, init, xs, length, reverse, unroll, pbar):
+  n = leading_length(xs, length, 'scan')
+  runner = runner_for(bar or pbar, n)
   if jax.config.jax_disable_jit:
     return _python_scan(f, init, xs, n, reverse, runner)
   body, n_carry = _scan_parts(f, init, xs, 'scan')
@@ -221,9 +237,9 @@ def _scan_impl(f, init, xs, length, reverse, unroll, pbar):
     written, out = body.run(written, leaves + x_leaves)
     new_leaves, y = out[:n_carry], out[n_carry:]
     if runner:
-      run, i = counter
-      runner.step(run, i, _rebuild_part(body, out, 0), _rebuild_part(body, out, 1))
-      counter = (run, i + 1)
+      run_id, i = counter
+      runner.step(run_id, i, _rebuild_part(body, out, 0), _rebuild_part(body, out, 1))
+      counter = (run_id, i + 1)
     return (written, new_leaves, counter), y
 
   counter = (runner.start(), jnp.int32(0)) if runner else None
@@ -260,14 +276,13 @@ def for_loop(f: Callable, *xs, length: int | None = None, reverse: bool = False,
     [0, 1, 4]
   """
   _check_callable(f, 'for_loop')
-  if eager():
-    return compiled_loop(_for_impl, f, (length, reverse, unroll, pbar))(*xs)
-  return _for_impl(f, *xs, length, reverse, unroll, pbar)
+  bar, rest = _split_pbar(pbar)
+  return run(_for_impl, (f, bar), (length, reverse, unroll, rest), xs)
 
 
-def _for_impl(f, *args):
+def _for_impl(f, bar, *args):
   *xs, length, reverse, unroll, pbar = args
-  return _scan_impl(_for_body(f), None, tuple(xs), length, reverse, unroll, pbar)[1]
+  return _scan_impl(_for_body(f), bar, None, tuple(xs), length, reverse, unroll, pbar)[1]
 
 
 # -- checkpointed loops -------------------------------------------------------------
@@ -330,16 +345,15 @@ def checkpointed_scan(f: Callable, init: Any, xs: Any, length: int | None = None
   """
   _check_callable(f, 'checkpointed_scan')
   base = _check_base(base)
-  if eager():
-    return compiled_loop(_checkpointed_impl, f, (length, base, pbar))(init, xs)
-  return _checkpointed_impl(f, init, xs, length, base, pbar)
+  bar, rest = _split_pbar(pbar)
+  return run(_checkpointed_impl, (f, bar), (length, base, rest), (init, xs))
 
 
-def _checkpointed_impl(f, init, xs, length, base, pbar):
-  n = _loop_length(xs, length, 'checkpointed_scan')
+def _checkpointed_impl(f, bar, init, xs, length, base, pbar):
+  n = leading_length(xs, length, 'checkpointed_scan')
   if n == 0:
     raise ValueError('checkpointed_scan: zero-length loops are not supported')
-  runner = runner_for(pbar, n)
+  runner = runner_for(bar or pbar, n)
   if jax.config.jax_disable_jit:
     return _python_scan(f, init, xs, n, False, runner)
   body, n_carry = _scan_parts(f, init, xs, 'checkpointed_scan')
@@ -347,17 +361,17 @@ def _checkpointed_impl(f, init, xs, length, base, pbar):
   xs_leaves = _dyn_leaves(xs)
 
   def step(carry, _):
-    written, leaves, (run, i) = carry
+    written, leaves, (run_id, i) = carry
     # inputs are read by index from the (loop-constant) xs, so that the checkpointed
     # levels keep only carries as residuals, never slices of xs
     x_leaves = [jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in xs_leaves]
     written, out = body.run(written, leaves + x_leaves)
     if runner:
-      runner.step(run, i, _rebuild_part(body, out, 0), _rebuild_part(body, out, 1))
-    return (written, out[:n_carry], (run, i + 1)), out[n_carry:]
+      runner.step(run_id, i, _rebuild_part(body, out, 0), _rebuild_part(body, out, 1))
+    return (written, out[:n_carry], (run_id, i + 1)), out[n_carry:]
 
-  run = runner.start() if runner else jnp.int32(0)
-  init_carry = (body.initial_written(), _dyn_leaves(init), (run, jnp.int32(0)))
+  run_id = runner.start() if runner else jnp.int32(0)
+  init_carry = (body.initial_written(), _dyn_leaves(init), (run_id, jnp.int32(0)))
   (written, leaves, _), ys = _nested_scan(step, init_carry, n, base)
   body.write_back(written)
   return body.trace.out_spec.rebuild(list(leaves) + list(ys), body.disc)
@@ -374,14 +388,13 @@ def checkpointed_for_loop(f: Callable, *xs, length: int | None = None, base: int
   """
   _check_callable(f, 'checkpointed_for_loop')
   base = _check_base(base)
-  if eager():
-    return compiled_loop(_checkpointed_for_impl, f, (length, base, pbar))(*xs)
-  return _checkpointed_for_impl(f, *xs, length, base, pbar)
+  bar, rest = _split_pbar(pbar)
+  return run(_checkpointed_for_impl, (f, bar), (length, base, rest), xs)
 
 
-def _checkpointed_for_impl(f, *args):
+def _checkpointed_for_impl(f, bar, *args):
   *xs, length, base, pbar = args
-  return _checkpointed_impl(_for_body(f), None, tuple(xs), length, base, pbar)[1]
+  return _checkpointed_impl(_for_body(f), bar, None, tuple(xs), length, base, pbar)[1]
 
 
 # -- while and fori ---------------------------------------------------------------
@@ -403,27 +416,25 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any):
   """
   _check_callable(cond_fun, 'while_loop cond_fun')
   _check_callable(body_fun, 'while_loop body_fun')
-  if eager():
-    return compiled_loop(_while_impl, (cond_fun, body_fun), ())(init_val)
-  return _while_impl((cond_fun, body_fun), init_val)
+  return run(_while_impl, (cond_fun, body_fun), (), (init_val,))
 
 
-def _while_impl(funs, init_val):
-  cond_fun, body_fun = funs
+def _while_impl(cond_fun, body_fun, init_val):
   if jax.config.jax_disable_jit:
     val = init_val
     while cond_fun(val):
       val = body_fun(val)
     return val
 
-  body = _Body(body_fun, (init_val,), 'while_loop', extra_discovery=(cond_fun, body_fun))
-  cond = trace_call(cond_fun, body.disc, body.call, body.values, body.call.dyn, keep_structure=False)
+  disc = discover((cond_fun, body_fun), (init_val,), {})
+  body = _Body(body_fun, (init_val,), 'while_loop', disc)
+  cond = _Body(cond_fun, (init_val,), 'while_loop', disc)
   if cond.written:
-    names = ', '.join(body.disc.describe(i) for i in cond.written)
+    names = ', '.join(disc.describe(i) for i in cond.written)
     raise ValueError(f'while_loop: cond_fun writes {names}; cond_fun may only read Variables')
-  shapes = jax.tree.leaves(cond.out_shapes)
+  shapes = jax.tree.leaves(cond.trace.out_shapes)
   if len(shapes) != 1 or shapes[0].shape != () or shapes[0].dtype != jnp.bool_:
-    raise TypeError(f'while_loop: cond_fun must return a boolean scalar, got {cond.out_shapes}')
+    raise TypeError(f'while_loop: cond_fun must return a boolean scalar, got {cond.trace.out_shapes}')
   init_struct = jax.tree.structure(init_val, is_leaf=is_graph_node)
   out_markers = jax.tree.unflatten(body.trace.out_spec.treedef, list(range(len(body.trace.out_spec.slots))))
   if jax.tree.structure(out_markers) != init_struct:
@@ -431,7 +442,10 @@ def _while_impl(funs, init_val):
 
   def cond_w(carry):
     written, leaves = carry
-    return body.run(written, leaves, trace=cond)[1][0]
+    values = list(body.values)
+    for i, x in zip(body.written, written):
+      values[i] = x
+    return cond.run_readonly(values, leaves)[0]
 
   def body_w(carry):
     written, leaves = carry
@@ -460,19 +474,18 @@ def fori_loop(lower, upper, body_fun: Callable, init_val: Any, pbar=None):
     if pbar is not None:
       raise ValueError('fori_loop: a progress bar needs concrete (Python int) bounds') from None
     return _fori_while(lower, upper, body_fun, init_val)
-  if eager():
-    return compiled_loop(_fori_impl, body_fun, (lo, hi, pbar))(init_val)
-  return _fori_impl(body_fun, init_val, lo, hi, pbar)
+  bar, rest = _split_pbar(pbar)
+  return run(_fori_impl, (body_fun, bar), (lo, hi, rest), (init_val,))
 
 
-def _fori_impl(body_fun, init_val, lo, hi, pbar):
+def _fori_impl(body_fun, bar, init_val, lo, hi, pbar):
   def step(carry, i):
     return body_fun(i, carry), None
 
   step.__wrapped__ = body_fun
   if hi <= lo:
     return init_val
-  return _scan_impl(step, init_val, jnp.arange(lo, hi), None, False, 1, pbar)[0]
+  return _scan_impl(step, bar, init_val, jnp.arange(lo, hi), None, False, 1, pbar)[0]
 
 
 def _fori_while(lower, upper, body_fun, init_val):
@@ -483,4 +496,4 @@ def _fori_while(lower, upper, body_fun, init_val):
     return c[0] + 1, body_fun(c[0], c[1])
 
   body.__wrapped__ = body_fun
-  return _while_impl((cond, body), (jnp.asarray(lower), init_val))[1]
+  return _while_impl(cond, body, (jnp.asarray(lower), init_val))[1]

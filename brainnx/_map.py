@@ -15,25 +15,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from brainnx._loops import _Body, _check_callable, _step_example, compiled_loop, eager, for_loop, scan
+from brainnx._discovery import discover
+from brainnx._eager import run
+from brainnx._loops import _Body, _check_callable, _step_example, for_loop, leading_length, scan
 from brainnx._mapping import vmap
 
 __all__ = ['map']
-
-
-def _length(xs) -> int:
-  leaves = jax.tree.leaves(xs)
-  if not leaves:
-    raise ValueError('map: no inputs to map over')
-  lengths = []
-  for leaf in leaves:
-    shape = jnp.shape(leaf)
-    if not shape:
-      raise ValueError(f'map: inputs need a leading axis to map over, got a scalar {leaf!r}')
-    lengths.append(shape[0])
-  if len(set(lengths)) > 1:
-    raise ValueError(f'map: inputs have different leading sizes {lengths}')
-  return lengths[0]
 
 
 def map(f: Callable, *xs, batch_size: int | None = None):  # noqa: A001 - brainstate's name
@@ -58,17 +45,18 @@ def map(f: Callable, *xs, batch_size: int | None = None):  # noqa: A001 - brains
   _check_callable(f, 'map')
   if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0):
     raise ValueError(f'map: batch_size must be a positive int, got {batch_size!r}')
-  if eager():
-    return compiled_loop(_map_impl, f, (batch_size,))(*xs)
-  return _map_impl(f, *xs, batch_size)
+  return run(_map_impl, (f,), (batch_size,), xs)
 
 
 def _map_impl(f, *args):
   *xs, batch_size = args
-  n = _length(xs)
+  if not jax.tree.leaves(xs):
+    raise ValueError('map: no inputs to map over')
+  n = leading_length(xs, None, 'map')
   if batch_size is None:
     return for_loop(f, *xs)
-  body = _Body(lambda c, x: (c, f(*x)), (None, _step_example(xs)), 'map', extra_discovery=f)
+  example = (None, _step_example(xs))
+  body = _Body(lambda c, x: (c, f(*x)), example, 'map', discover(f, example, {}))
   written = [i for i in body.written if not isinstance(body.disc.variables[i], nnx.RngState)]
   if written:
     names = ', '.join(body.disc.describe(i) for i in written)

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import warnings
 from typing import Any, Callable, Hashable
@@ -32,24 +33,57 @@ import jax
 import jax.numpy as jnp
 
 from brainnx import _compat
-from brainnx._arguments import CallArgs
-from brainnx._discovery import Discovery, discover, is_graph_node, walk_new
-from brainnx._filters import AxisRules, BatchAxisError, describe
-from brainnx._jit import JittedFunction
-from brainnx._outputs import split_output
+from brainnx._arguments import ArgKind, CallArgs, StaticArgs
+from brainnx._discovery import Discovery, RootKind, discover, is_graph_node, key_name
+from brainnx._eager import run
+from brainnx._filters import AxisRules, BatchAxisError
+from brainnx._jit import JitOptions
+from brainnx._outputs import OutSpec
 from brainnx._rng import advanced_count, split_per_element
-from brainnx._tracing import adopt_new, drop_new_attributes, park_new, swapped, write_values
+from brainnx._tracing import adopt_new, state_step, write_values
 
-__all__ = ['vmap', 'vmap_new_states', 'MappedFunction', 'MapConfig']
+__all__ = ['vmap', 'vmap_new_states', 'MappedFunction', 'MapConfig', 'Mapper', 'Policy']
 
-_POLICIES = ('raise', 'warn', 'ignore')
+
+class Mapper(enum.Enum):
+  """Which JAX mapping runs the batch."""
+
+  VMAP = 'vmap'
+  PMAP = 'pmap'
+
+
+class Policy(enum.Enum):
+  """``unexpected_out_state_mapping``: what happens to a broadcast Variable written per element."""
+
+  RAISE = 'raise'
+  WARN = 'warn'
+  IGNORE = 'ignore'
+
+  @classmethod
+  def of(cls, value: str) -> 'Policy':
+    try:
+      return cls(value)
+    except ValueError:
+      raise ValueError(
+        f'unexpected_out_state_mapping must be one of {tuple(p.value for p in cls)}, got {value!r}'
+      ) from None
+
+
+class _Once:
+  """Placement of a value that is the same for every element: written once, unbatched."""
+
+  def __repr__(self) -> str:
+    return 'ONCE'
+
+
+ONCE = _Once()
 
 
 @dataclasses.dataclass(frozen=True)
 class MapConfig:
   """Everything a mapping transform was configured with."""
 
-  fn: Callable
+  fn: Callable | None
   in_axes: Any = 0
   out_axes: Any = 0
   axis_name: Hashable | None = None
@@ -57,13 +91,18 @@ class MapConfig:
   spmd_axis_name: Any = None
   state_in: AxisRules = dataclasses.field(default_factory=lambda: AxisRules(None, 'state_in_axes'))
   state_out: AxisRules = dataclasses.field(default_factory=lambda: AxisRules(None, 'state_out_axes'))
-  policy: str = 'raise'
+  policy: Policy = Policy.RAISE
   new_states: bool = False  # vmap_new_states: Variables created inside come out batched
   state_tag: str | None = None
-  state_to_exclude: Any = None
-  mapper: str = 'vmap'  # or 'pmap'
+  state_to_exclude: AxisRules | None = None
+  mapper: Mapper = Mapper.VMAP
   pmap_kwargs: tuple = ()
-  static_argnums: tuple = ()  # pmap's static_broadcasted_argnums
+  statics: StaticArgs = StaticArgs()  # pmap's static_broadcasted_argnums
+  donate_argnums: tuple = ()  # pmap's donate_argnums
+
+  @property
+  def name(self) -> str:
+    return self.mapper.value
 
 
 class MappedFunction:
@@ -73,18 +112,16 @@ class MappedFunction:
     self.config = config
     functools.update_wrapper(self, config.fn, updated=())
     self.__wrapped__ = config.fn
-    self._jitted = JittedFunction(config.fn, (), (), (), {}, traced=self._traced)
+    self._options = JitOptions(statics=config.statics, donate_argnums=config.donate_argnums)
 
   def _traced(self, *args, **kwargs):
     return mapped_call(self.config, args, kwargs)
 
   def __call__(self, *args, **kwargs):
-    if _compat.at_top_level():
-      return self._jitted(*args, **kwargs)
-    return mapped_call(self.config, args, kwargs)
+    return run(MappedFunction._traced, (self,), (), args, kwargs, options=self._options)
 
   def __repr__(self) -> str:
-    return f'brainnx.{self.config.mapper}({getattr(self.config.fn, "__name__", self.config.fn)!r})'
+    return f'brainnx.{self.config.name}({getattr(self.config.fn, "__name__", self.config.fn)!r})'
 
 
 # -- axes of arguments ---------------------------------------------------------------
@@ -124,14 +161,7 @@ def _axis_at(spec, keys: tuple, where: str):
 def _leaf_axes(spec, value, where: str) -> list:
   """One axis per leaf of ``value`` (graph nodes kept as leaves)."""
   leaves = jax.tree_util.tree_flatten_with_path(value, is_leaf=is_graph_node)[0]
-  return [_axis_at(spec, tuple(_key(k) for k in path), where) for path, _ in leaves]
-
-
-def _key(k):
-  for attr in ('idx', 'key', 'name'):
-    if hasattr(k, attr):
-      return getattr(k, attr)
-  return k
+  return [_axis_at(spec, tuple(key_name(k) for k in path), where) for path, _ in leaves]
 
 
 def _normalized(axis: int, ndim: int) -> int | None:
@@ -160,9 +190,9 @@ def _layout(cfg: MapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs
     source = 'state_in_axes'
     if not hit:
       root = disc.roots[disc.root_of[i]]
-      if root.kind == 'arg':
+      if root.kind is RootKind.ARG:
         axis, source = _axis_at(arg_axes[root.name], path[1:], f'argument {root.name}'), f'in_axes of argument {root.name}'
-      elif root.kind == 'kwarg':
+      elif root.kind is RootKind.KWARG:
         axis, source = 0, f'keyword argument {root.name!r}'
       else:
         axis = None
@@ -192,7 +222,7 @@ def _layout(cfg: MapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs
       norm = _normalized(axis, len(shape))
       if norm is None:
         raise ValueError(
-          f'{cfg.mapper}: {disc.describe(i)} is mapped on axis {axis} ({sources[i]}) but its value '
+          f'{cfg.name}: {disc.describe(i)} is mapped on axis {axis} ({sources[i]}) but its value '
           f'has shape {tuple(shape)}: map it on an axis it has, or broadcast it with state_in_axes={{None: ...}}'
         )
       axes[i] = norm
@@ -204,7 +234,7 @@ def _layout(cfg: MapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs
       ndim = max((jnp.ndim(x) for x in jax.tree.leaves(values[i])), default=0)
       if _normalized(out_axis, ndim) != axes[i]:
         raise BatchAxisError(
-          f'{cfg.mapper}: {disc.describe(i)} is mapped in on axis {axes[i]} ({sources[i]}) but '
+          f'{cfg.name}: {disc.describe(i)} is mapped in on axis {axes[i]} ({sources[i]}) but '
           f'state_out_axes declares axis {out_axis}: use the same axis for both'
         )
 
@@ -212,7 +242,7 @@ def _layout(cfg: MapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs
   slot_axes = list(arg_axes) + [0] * len(kwargs)
   names = [f'argument {i}' for i in range(len(args))] + [f'keyword argument {k!r}' for k in kwargs]
   for slot, kind in enumerate(call.kinds):
-    if kind not in ('dyn', 'mixed'):
+    if kind not in (ArgKind.DYN, ArgKind.MIXED):
       continue
     value = (list(args) + list(kwargs.values()))[slot]
     leaf_axes = _leaf_axes(slot_axes[slot], value, names[slot])
@@ -223,14 +253,14 @@ def _layout(cfg: MapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs
       shape = jnp.shape(leaf)
       if not shape:
         raise ValueError(
-          f'{cfg.mapper}: {names[slot]} is a scalar but in_axes maps it on axis {axis}; '
+          f'{cfg.name}: {names[slot]} is a scalar but in_axes maps it on axis {axis}; '
           'pass in_axes=None for it or give it a leading batch axis'
         )
       norm = _normalized(axis, len(shape))
       if norm is None:
-        raise ValueError(f'{cfg.mapper}: {names[slot]} has shape {tuple(shape)}, no axis {axis} to map over')
+        raise ValueError(f'{cfg.name}: {names[slot]} has shape {tuple(shape)}, no axis {axis} to map over')
       sizes.append((shape[norm], names[slot]))
-    if kind == 'dyn':
+    if kind is ArgKind.DYN:
       dyn_axes.append(slot_axes[slot])
     else:
       dyn_axes.extend(a for a, leaf in zip(leaf_axes, leaves) if not is_graph_node(leaf))
@@ -240,7 +270,7 @@ def _layout(cfg: MapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs
   distinct = sorted({s for s, _ in sizes})
   if not sizes:
     raise ValueError(
-      f'{cfg.mapper}: nothing is mapped (no argument or Variable has a batch axis) and no '
+      f'{cfg.name}: nothing is mapped (no argument or Variable has a batch axis) and no '
       'axis_size was given: pass axis_size=N, or map an input'
     )
   if len(distinct) > 1:
@@ -251,44 +281,44 @@ def _layout(cfg: MapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs
         '. A Module passed with an int in_axes is mapped whole: every Variable in it needs that '
         'batch axis. Pass in_axes=None for it to broadcast it, or map only some Variables with state_in_axes'
       )
-    raise ValueError(f'{cfg.mapper}: inconsistent batch sizes {distinct} ({listing}){hint}')
+    raise ValueError(f'{cfg.name}: inconsistent batch sizes {distinct} ({listing}){hint}')
   return _Layout(axes, split, tuple(dyn_axes), distinct[0])
 
 
 def _decide(cfg: MapConfig, disc: Discovery, i: int, in_axis, batched: bool):
-  """Where a written Variable's new value goes: an int axis, or ``'once'``."""
+  """Where a written Variable's new value goes: an int axis, or ``ONCE``."""
   path, var = disc.paths[i], disc.variables[i]
   hit, out_axis = cfg.state_out.axis_of(path, var)
   if hit:
     if out_axis is None:
       if batched:
         raise BatchAxisError(
-          f'{cfg.mapper}: {describe(path, var)} is declared state_out_axes=None (one value for the '
+          f'{cfg.name}: {disc.describe(i)} is declared state_out_axes=None (one value for the '
           'whole batch) but its new value differs per batch element: declare a batch axis for it, '
           'e.g. state_out_axes={0: <its filter>}'
         )
-      return 'once'
+      return ONCE
     return out_axis
   if in_axis is not None:
     return in_axis
   if not batched:
-    return 'once'
+    return ONCE
   message = (
-    f'{cfg.mapper}: {describe(path, var)} is broadcast into the mapped call (no batch axis) but its '
+    f'{cfg.name}: {disc.describe(i)} is broadcast into the mapped call (no batch axis) but its '
     'new value differs per batch element. Say where the batch axis goes: '
     'state_out_axes={0: <its filter>} (or map it in with state_in_axes), or pass '
     "unexpected_out_state_mapping='warn' or 'ignore' to stack it on axis 0"
   )
-  if cfg.policy == 'raise':
+  if cfg.policy is Policy.RAISE:
     raise BatchAxisError(message)
-  if cfg.policy == 'warn':
+  if cfg.policy is Policy.WARN:
     warnings.warn(message, UserWarning, stacklevel=4)
   return 0
 
 
 def _place(value, axis):
-  """Move the batch axis (0) of every leaf to ``axis``, or keep one copy (``'once'``)."""
-  if axis == 'once':
+  """Move the batch axis (0) of every leaf to ``axis``, or keep one copy (``ONCE``)."""
+  if axis is ONCE:
     return jax.tree.map(lambda x: x[0], value)
   if axis == 0:
     return value
@@ -300,7 +330,7 @@ def _out_leaf_axes(out_axes, spec) -> list:
   flat = jax.tree_util.tree_flatten_with_path(markers)[0]
   axes = []
   for (path, _), slot in zip(flat, spec.slots):
-    axis = _axis_at(out_axes, tuple(_key(k) for k in path), 'out_axes')
+    axis = _axis_at(out_axes, tuple(key_name(k) for k in path), 'out_axes')
     if slot[0] == 'leaf':
       axes.append(axis)
     elif slot[0] == 'new':
@@ -308,9 +338,22 @@ def _out_leaf_axes(out_axes, spec) -> list:
   return axes
 
 
+@dataclasses.dataclass
+class _Decisions:
+  """What the mapped body found out about one call, decided on its first trace."""
+
+  new_vars: tuple
+  new_nodes: tuple
+  out_spec: OutSpec
+  written: list  # discovery indices written (RNG streams excluded)
+  placement: list  # per written Variable: an int axis or ONCE
+  new_placement: list  # per new Variable
+  out_axes: list  # per output leaf
+
+
 def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
   """One mapped call inside the current trace (see module docstring)."""
-  call = CallArgs.split(args, kwargs, cfg.static_argnums)
+  call = CallArgs.split(args, kwargs, cfg.statics)
   disc = discover(cfg.fn, args, kwargs)
   layout = _layout(cfg, disc, call, args, kwargs)
   dyn_in = call.dyn
@@ -321,78 +364,74 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
   for k, c in layout.split_streams:
     state_in[k] = split_per_element(values[k], values[c], layout.size)
   stream_vars = {i for pair in layout.split_streams for i in pair}
-  exclude = AxisRules(cfg.state_to_exclude, 'state_to_exclude') if cfg.state_to_exclude is not None else None
-  side: dict = {}
+  found: list[_Decisions] = []  # set by the first trace of ``body``; pmap traces twice
+  contents = disc.snapshot()
 
   def body(states, dyn):
     trace = _compat.current_trace()
-    with swapped(disc, states):
-      call_args, call_kwargs = call.rebuild(dyn, call.nodes)
-      out = cfg.fn(*call_args, **call_kwargs)
-      now = [_compat.raw_value(v) for v in disc.variables]
-      new_vars, new_nodes = walk_new(disc.nodes, disc)
-      side['new_vars'], side['new_nodes'] = new_vars, new_nodes
-      out_spec, out_leaves = split_output(out, disc, new_nodes)
-      written = [i for i, (a, b) in enumerate(zip(now, states)) if a is not b and i not in stream_vars]
-      new_values = [_compat.raw_value(v) for v in new_vars]
-      park_new(new_vars)
-      if 'decided' in side:  # pmap: decisions come from the abstract vmap pass
-        if side['decided']['written'] != written:
-          raise RuntimeError(f'{cfg.mapper}: the function wrote different Variables on its second trace')
-      else:
-        batched = lambda x: any(_compat.is_batched_here(leaf, trace) for leaf in jax.tree.leaves(x))  # noqa: E731
-        out_axes = _out_leaf_axes(cfg.out_axes, out_spec)
-        for leaf, axis in zip(out_leaves, out_axes):
-          if axis is None and batched(leaf):
-            raise ValueError(f'{cfg.mapper}: an output has out_axes=None but depends on the batch')
-        side['decided'] = dict(
-          written=written,
-          placement=[_decide(cfg, disc, i, layout.state_axes[i], batched(now[i])) for i in written],
-          new_placement=[_new_var_axis(cfg, exclude, v, batched(x)) for v, x in zip(new_vars, new_values)],
-          out_axes=out_axes,
-        )
-    side['out_spec'] = out_spec
-    return [now[i] for i in written], new_values, out_leaves
+    step = state_step(cfg.fn, disc, call, states, dyn)
+    out_spec, out_leaves = step.split_out(disc)
+    written = [i for i in step.written if i not in stream_vars]
+    if found:  # pmap: decisions come from the abstract vmap pass
+      if found[0].written != written:
+        raise RuntimeError(f'{cfg.name}: the function wrote different Variables on its second trace')
+    else:
+      batched = lambda x: any(_compat.is_batched_here(leaf, trace) for leaf in jax.tree.leaves(x))  # noqa: E731
+      out_axes = _out_leaf_axes(cfg.out_axes, out_spec)
+      for leaf, axis in zip(out_leaves, out_axes):
+        if axis is None and batched(leaf):
+          raise ValueError(f'{cfg.name}: an output has out_axes=None but depends on the batch')
+      found.append(_Decisions(
+        new_vars=step.new_vars,
+        new_nodes=step.new_nodes,
+        out_spec=out_spec,
+        written=written,
+        placement=[_decide(cfg, disc, i, layout.state_axes[i], batched(step.values[i])) for i in written],
+        new_placement=[_new_var_axis(cfg, v, batched(x)) for v, x in zip(step.new_vars, step.new_values)],
+        out_axes=out_axes,
+      ))
+    return [step.values[i] for i in written], step.new_values, out_leaves
 
   try:
-    if cfg.mapper == 'pmap':
+    if cfg.mapper is Mapper.PMAP:
       jax.eval_shape(_vmap_of(cfg, layout, body), state_in, dyn_in)
-      drop_new_attributes(disc, side.get('new_vars', ()), side.get('new_nodes', ()))
-      run = _pmap_of(cfg, layout, body)
+      disc.restore(contents)
+      run_mapped = _pmap_of(cfg, layout, body)
     else:
-      run = _vmap_of(cfg, layout, body)
-    written_vals, new_vals, out_leaves = run(state_in, dyn_in)
+      run_mapped = _vmap_of(cfg, layout, body)
+    written_vals, new_vals, out_leaves = run_mapped(state_in, dyn_in)
   except BaseException:
-    drop_new_attributes(disc, side.get('new_vars', ()), side.get('new_nodes', ()))
+    disc.restore(contents)
     raise
-  decided = side['decided']
-  write_values(disc, decided['written'], [_place(v, a) for v, a in zip(written_vals, decided['placement'])])
+  decided = found[0]
+  write_values(disc, decided.written, [_place(v, a) for v, a in zip(written_vals, decided.placement)])
   write_values(disc, [c for _, c in layout.split_streams], [advanced_count(values[c]) for _, c in layout.split_streams])
-  new_vars = side['new_vars']
-  adopt_new(new_vars, side['new_nodes'], [_place(v, a) for v, a in zip(new_vals, decided['new_placement'])])
+  new_vars = decided.new_vars
+  adopt_new(new_vars, decided.new_nodes, [_place(v, a) for v, a in zip(new_vals, decided.new_placement)])
   if cfg.new_states and cfg.state_tag is not None:
-    for v, axis in zip(new_vars, decided['new_placement']):
-      if axis != 'once':
+    for v, axis in zip(new_vars, decided.new_placement):
+      if axis is not ONCE:
         v.set_metadata(tag=cfg.state_tag)
-  leaves = [_place(x, 'once' if a is None else a) for x, a in zip(out_leaves, decided['out_axes'])]
-  return side['out_spec'].rebuild(leaves, disc)
+  leaves = [_place(x, ONCE if a is None else a) for x, a in zip(out_leaves, decided.out_axes)]
+  return decided.out_spec.rebuild(leaves, disc)
 
 
-def _new_var_axis(cfg: MapConfig, exclude, variable, batched: bool):
+def _new_var_axis(cfg: MapConfig, variable, batched: bool):
   if not cfg.new_states:
-    if batched and cfg.policy == 'raise':
+    if batched and cfg.policy is Policy.RAISE:
       raise BatchAxisError(
-        f'{cfg.mapper}: a {type(variable).__name__} created inside the mapped function differs per '
+        f'{cfg.name}: a {type(variable).__name__} created inside the mapped function differs per '
         'batch element: create it with brainnx.vmap_new_states to get it stacked'
       )
-    return 0 if batched else 'once'
+    return 0 if batched else ONCE
+  exclude = cfg.state_to_exclude
   if exclude is not None and exclude.axis_of((), variable)[0]:
     if batched:
       raise BatchAxisError(
         f'vmap_new_states: {type(variable).__name__} matches state_to_exclude (replicated) but its '
         'value differs per batch element: it must not depend on the batch'
       )
-    return 'once'
+    return ONCE
   return 0
 
 
@@ -418,37 +457,13 @@ def _pmap_of(cfg: MapConfig, layout: _Layout, body):
   )
 
 
-def _check_policy(policy: str) -> str:
-  if policy not in _POLICIES:
-    raise ValueError(f"unexpected_out_state_mapping must be one of {_POLICIES}, got {policy!r}")
-  return policy
-
-
-def build_mapped(transform: Callable, fn, options: dict, **extra) -> Any:
-  """``transform``'s result: a decorator when ``fn`` is None, else a MappedFunction.
-
-  ``options`` are the public keyword arguments of the transform (its
-  ``locals()``); ``extra`` are MapConfig fields it fixes itself.
-  """
+def mapped(name: str, fn: Callable | None, config: MapConfig):
+  """A ``MappedFunction`` of ``fn`` with ``config``, or a decorator when ``fn`` is None."""
   if fn is None:
-    return functools.partial(transform, **options)
-  name = getattr(transform, '__name__', 'transform')
+    return lambda f: mapped(name, f, config)
   if not callable(fn):
     raise TypeError(f'{name} needs a callable, got {type(fn).__name__}')
-  return MappedFunction(
-    MapConfig(
-      fn=fn,
-      in_axes=options['in_axes'],
-      out_axes=options['out_axes'],
-      axis_name=options['axis_name'],
-      axis_size=options['axis_size'],
-      spmd_axis_name=options.get('spmd_axis_name'),
-      state_in=AxisRules(options['state_in_axes'], 'state_in_axes'),
-      state_out=AxisRules(options['state_out_axes'], 'state_out_axes'),
-      policy=_check_policy(options['unexpected_out_state_mapping']),
-      **extra,
-    )
-  )
+  return MappedFunction(dataclasses.replace(config, fn=fn))
 
 
 def vmap(
@@ -490,8 +505,18 @@ def vmap(
     >>> ensemble.kernel.shape
     (4, 2, 3)
   """
-  options = dict(locals())
-  return build_mapped(vmap, options.pop('fn'), options)
+  config = MapConfig(
+    fn=None,
+    in_axes=in_axes,
+    out_axes=out_axes,
+    axis_name=axis_name,
+    axis_size=axis_size,
+    spmd_axis_name=spmd_axis_name,
+    state_in=AxisRules(state_in_axes, 'state_in_axes'),
+    state_out=AxisRules(state_out_axes, 'state_out_axes'),
+    policy=Policy.of(unexpected_out_state_mapping),
+  )
+  return mapped('vmap', fn, config)
 
 
 def vmap_new_states(
@@ -526,15 +551,20 @@ def vmap_new_states(
     >>> cell['h'].shape, cell['h'].tag
     ((5, 2), 'hidden')
   """
-  options = dict(locals())
-  fun = options.pop('fun')
   if isinstance(axis_size, int) and axis_size <= 0:
     raise ValueError(f'vmap_new_states: axis_size must be positive, got {axis_size}')
-  return build_mapped(
-    vmap_new_states,
-    fun,
-    options,
+  config = MapConfig(
+    fn=None,
+    in_axes=in_axes,
+    out_axes=out_axes,
+    axis_name=axis_name,
+    axis_size=axis_size,
+    spmd_axis_name=spmd_axis_name,
+    state_in=AxisRules(state_in_axes, 'state_in_axes'),
+    state_out=AxisRules(state_out_axes, 'state_out_axes'),
+    policy=Policy.of(unexpected_out_state_mapping),
     new_states=True,
     state_tag=state_tag,
-    state_to_exclude=state_to_exclude,
+    state_to_exclude=AxisRules(state_to_exclude, 'state_to_exclude') if state_to_exclude is not None else None,
   )
+  return mapped('vmap_new_states', fun, config)

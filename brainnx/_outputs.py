@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import jax
 from flax import nnx
 
-from brainnx._discovery import Discovery, is_graph_node
+from brainnx._discovery import Discovery, is_graph_node, is_reference
 
 __all__ = ['OutSpec', 'split_output']
 
@@ -49,7 +49,7 @@ class OutSpec:
       elif kind == 'var':
         out.append(disc.variables[slot[1]])
       elif kind == 'node':
-        out.append(disc.nodes[slot[1]])
+        out.append(disc.node_refs[slot[1]]())
       elif kind == 'obj':
         out.append(slot[1])
       else:
@@ -61,16 +61,18 @@ class OutSpec:
 
 def split_output(out: Any, disc: Discovery, attached: Sequence = ()) -> tuple[OutSpec, list]:
   """``(spec, leaves)`` for a return value; ``attached`` are new nodes kept as is."""
-  flat, treedef = jax.tree.flatten(out, is_leaf=is_graph_node)
+  flat, treedef = jax.tree.flatten(out, is_leaf=is_reference)
   attached_ids = {id(x) for x in attached}
   slots, leaves, has_nodes = [], [], False
   for x in flat:
-    if not is_graph_node(x):
+    if not is_reference(x):
       slots.append(('leaf',))
       leaves.append(x)
       continue
     has_nodes = True
-    if isinstance(x, nnx.Variable) and disc.index_of(x) is not None:
+    if not is_graph_node(x):  # a plain object holding graph nodes: returned as it is
+      slots.append(('obj', x))
+    elif isinstance(x, nnx.Variable) and disc.index_of(x) is not None:
       slots.append(('var', disc.index_of(x)))
     elif disc.node_index_of(x) is not None:
       slots.append(('node', disc.node_index_of(x)))

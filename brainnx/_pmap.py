@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Hashable
 
-from brainnx._arguments import normalize_static_argnums
-from brainnx._jit import JittedFunction
-from brainnx._mapping import MappedFunction, build_mapped
+from brainnx._arguments import StaticArgs, normalize_argnums
+from brainnx._filters import AxisRules
+from brainnx._mapping import MapConfig, Mapper, Policy, mapped
 
 __all__ = ['pmap']
 
@@ -61,11 +61,19 @@ def pmap(
     >>> draws.shape == (n,), int(rngs.default.count[...])
     (True, 1)
   """
-  options = dict(locals())
-  fn = options.pop('fn')
-  statics = normalize_static_argnums(static_broadcasted_argnums, 'static_broadcasted_argnums')
-  extra = tuple((k, v) for k, v in (('devices', devices), ('backend', backend)) if v is not None)
-  mapped = build_mapped(pmap, fn, options, mapper='pmap', pmap_kwargs=extra, static_argnums=statics)
-  if isinstance(mapped, MappedFunction):
-    mapped._jitted = JittedFunction(fn, statics, (), donate_argnums, {}, traced=mapped._traced)
-  return mapped
+  statics = normalize_argnums(static_broadcasted_argnums, 'static_broadcasted_argnums')
+  config = MapConfig(
+    fn=None,
+    in_axes=in_axes,
+    out_axes=out_axes,
+    axis_name=axis_name,
+    axis_size=axis_size,
+    state_in=AxisRules(state_in_axes, 'state_in_axes'),
+    state_out=AxisRules(state_out_axes, 'state_out_axes'),
+    policy=Policy.of(unexpected_out_state_mapping),
+    mapper=Mapper.PMAP,
+    pmap_kwargs=tuple((k, v) for k, v in (('devices', devices), ('backend', backend)) if v is not None),
+    statics=StaticArgs(argnums=statics),
+    donate_argnums=normalize_argnums(donate_argnums, 'donate_argnums'),
+  )
+  return mapped('pmap', fn, config)

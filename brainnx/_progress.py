@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+import weakref
 from typing import Any
 
 import jax
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-__all__ = ['ProgressBar', 'runner_for']
+__all__ = ['ProgressBar', 'check_pbar', 'runner_for']
 
 
 class ProgressBar:
@@ -112,44 +113,76 @@ class ProgressBar:
 
 
 class _Runner:
-  """The traced side of one loop's bar."""
+  """The traced side of one loop's bar.
+
+  A compiled program keeps its callbacks, so they hold the bar weakly: a
+  dropped bar is freed, and a program still running without it draws nothing.
+  """
 
   def __init__(self, bar: ProgressBar, n: int, freq: int):
-    self.bar, self.n, self.freq = bar, n, freq
+    self._bar, self.n, self.freq = weakref.ref(bar), n, freq
+    self.desc = bar.desc
+
+  @property
+  def bar(self) -> ProgressBar | None:
+    return self._bar()
+
+  def _open(self) -> np.int32:
+    bar = self._bar()
+    return bar._open(self.n) if bar is not None else np.int32(0)
+
+  def _update(self, run, step, values) -> None:
+    bar = self._bar()
+    if bar is not None:
+      bar._update(run, step, values)
 
   def start(self) -> jax.Array:
     """Open a bar for this execution; returns its run id (traced)."""
-    return io_callback(
-      lambda: self.bar._open(self.n), jax.ShapeDtypeStruct((), jnp.int32), ordered=True
-    )
+    return io_callback(self._open, jax.ShapeDtypeStruct((), jnp.int32), ordered=True)
 
   def step(self, run, i, carry=None, y=None) -> None:
     """Report that step ``i`` (0-based, unbatched) is done."""
-    desc = self.bar.desc
+    desc = self.desc
     values = desc[1](dict(i=i, carry=carry, y=y)) if isinstance(desc, tuple) else None
     due = jnp.logical_or((i + 1) % self.freq == 0, i + 1 >= self.n)
 
     def report():
-      jax.debug.callback(self.bar._update, run, i, values)
+      jax.debug.callback(self._update, run, i, values)
 
     jax.lax.cond(due, report, lambda: None)
 
   def step_eager(self, run, i, carry=None, y=None) -> None:
-    desc = self.bar.desc
+    desc = self.desc
     values = desc[1](dict(i=i, carry=carry, y=y)) if isinstance(desc, tuple) else None
     if (i + 1) % self.freq == 0 or i + 1 >= self.n:
-      self.bar._update(run, i, values)
+      self._update(run, i, values)
+
+
+def check_pbar(pbar: Any) -> None:
+  """``TypeError``/``ValueError`` unless ``pbar`` is ``None``, a ``ProgressBar`` or a positive int."""
+  if pbar is None or isinstance(pbar, ProgressBar):
+    return
+  if isinstance(pbar, int) and not isinstance(pbar, bool):
+    if pbar <= 0:
+      raise ValueError(f'pbar={pbar}: an int pbar is the update frequency and must be positive')
+    return
+  raise TypeError(f'pbar must be None, a ProgressBar or a positive int, got {type(pbar).__name__}')
 
 
 def runner_for(pbar: Any, n: int) -> _Runner | None:
   """``pbar`` (``None``, a ``ProgressBar`` or a positive int) as a runner for ``n`` steps."""
+  check_pbar(pbar)
   if pbar is None:
     return None
   if isinstance(pbar, ProgressBar):
     return pbar.init(n)
-  if isinstance(pbar, int) and not isinstance(pbar, bool):
-    if pbar <= 0:
-      raise ValueError(f'pbar={pbar}: an int pbar is the update frequency and must be positive')
-    return ProgressBar(freq=pbar).init(n)
-  raise TypeError(f'pbar must be None, a ProgressBar or a positive int, got {type(pbar).__name__}')
+  return _Runner(_shared_bar(pbar), n, pbar)
 
+
+
+_INT_BARS: dict[int, ProgressBar] = {}
+
+
+def _shared_bar(freq: int) -> ProgressBar:
+  """The bar behind ``pbar=freq``: one per frequency, kept for the program that draws it."""
+  return _INT_BARS.setdefault(freq, ProgressBar(freq=freq))

@@ -1,9 +1,10 @@
 """Trace a stateful function once per abstract signature; replay the jaxpr.
 
-The Variables a call can reach (see ``_discovery``) get tracers swapped in for
-the duration of the trace; reads are the jaxpr inputs some equation or output
-uses, writes are Variables whose value afterwards is not the tracer that went
-in. Everything is restored in a ``finally``.
+The one state step of every transform is :func:`state_step`: swap values
+into the discovered Variables, call the function, collect what it wrote and
+the Variables it created, restore. :func:`trace_call` runs it under
+``jax.make_jaxpr``; reads are the jaxpr inputs some equation or output uses,
+writes are Variables whose value afterwards is not the one that went in.
 
 Example:
   >>> import jax.numpy as jnp
@@ -25,92 +26,50 @@ Example:
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
 import threading
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import jax
 import jax.extend
 import numpy as np
 
 from brainnx import _compat
-from brainnx._arguments import CallArgs, normalize_static_argnums
+from brainnx._arguments import CallArgs, StaticArgs
+from brainnx._caches import LRUCache
 from brainnx._discovery import Discovery, discover, walk_new
 from brainnx._outputs import OutSpec, split_output
 
-__all__ = ['StatefulFunction', 'make_jaxpr', 'Trace', 'swapped', 'write_values', 'park_new', 'adopt_new', 'TRACE_LOCK']
+__all__ = [
+  'StatefulFunction', 'make_jaxpr', 'StepResult', 'Trace', 'TraceKey', 'TRACE_LOCK', 'abstract_args',
+  'abstract_states', 'adopt_new', 'state_step', 'trace_call', 'write_values',
+]
 
-#: Held while Variables hold tracers, so that two threads never swap the same ones at once.
+#: Held while Variables hold tracers, and by warm calls while they read and write
+#: Variables, so that no brainnx call in one thread sees another thread's tracers.
 TRACE_LOCK = threading.RLock()
 
 
-# -- a small LRU cache ------------------------------------------------------------
-
-
-class LRUCache:
-  """Thread-safe least-recently-used mapping with hit/miss counters."""
-
-  def __init__(self, maxsize: int = 128):
-    self.maxsize = maxsize
-    self._data: collections.OrderedDict = collections.OrderedDict()
-    self._lock = threading.Lock()
-    self.hits = self.misses = 0
-
-  def get(self, key, default=None):
-    with self._lock:
-      if key in self._data:
-        self._data.move_to_end(key)
-        self.hits += 1
-        return self._data[key]
-      self.misses += 1
-      return default
-
-  def set(self, key, value) -> None:
-    with self._lock:
-      self._data[key] = value
-      self._data.move_to_end(key)
-      while len(self._data) > self.maxsize:
-        self._data.popitem(last=False)
-
-  def clear(self) -> None:
-    with self._lock:
-      self._data.clear()
-      self.hits = self.misses = 0
-
-  def __len__(self) -> int:
-    return len(self._data)
-
-  def stats(self) -> dict:
-    total = self.hits + self.misses
-    return {
-      'size': len(self._data),
-      'maxsize': self.maxsize,
-      'hits': self.hits,
-      'misses': self.misses,
-      'hit_rate': 100.0 * self.hits / total if total else 0.0,
-    }
-
-
-# -- swapping values into Variables ---------------------------------------------------
+# -- the state step -----------------------------------------------------------------
 
 
 @contextlib.contextmanager
-def swapped(disc: Discovery, values: Sequence, *, keep_structure_on_error: bool = False):
+def swapped(disc: Discovery, values: Sequence, *, keep_new: bool = True):
   """Let every discovered Variable hold ``values[i]`` (writable here) inside the block.
 
   On exit every Variable gets its pre-call value and trace level back, and
-  every graph node its trace level. If the block raises, attributes that
-  the block added to or replaced in discovered Modules are rolled back too.
+  every graph node its trace level. If the block raises, or ``keep_new`` is
+  false, entries the block added to or replaced in the discovered containers
+  (Module and plain-object attributes, dicts, lists) are rolled back.
   """
   variables, nodes = disc.variables, disc.nodes
   with TRACE_LOCK:
     old_values = [_compat.raw_value(v) for v in variables]
     old_levels = [_compat.get_node_trace_state(x) for x in variables]
     old_node_levels = [_compat.get_node_trace_state(n) for n in nodes]
-    old_attrs = [dict(vars(n)) for n in nodes]
+    contents = disc.snapshot()
     level = _compat.new_trace_state()
     try:
       for v, x in zip(variables, values):
@@ -119,12 +78,10 @@ def swapped(disc: Discovery, values: Sequence, *, keep_structure_on_error: bool 
       for n in nodes:
         _compat.set_node_trace_state(n, level)
       yield
+      if not keep_new:
+        disc.restore(contents)
     except BaseException:
-      if not keep_structure_on_error:
-        for n, attrs in zip(nodes, old_attrs):
-          current = vars(n)
-          current.clear()
-          current.update(attrs)
+      disc.restore(contents)
       raise
     finally:
       for v, x, lv in zip(variables, old_values, old_levels):
@@ -132,6 +89,70 @@ def swapped(disc: Discovery, values: Sequence, *, keep_structure_on_error: bool 
         _compat.set_node_trace_state(v, lv)
       for n, lv in zip(nodes, old_node_levels):
         _compat.set_node_trace_state(n, lv)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepResult:
+  """What one call did to the state, read inside the trace that ran it.
+
+  ``values`` holds every discovered Variable's value after the call (tracers
+  of the enclosing trace); ``written`` the indices of those that changed.
+  ``new_vars`` are Variables the call created and attached to a discovered
+  container (their values, in ``new_values``, are taken out of them so no
+  tracer outlives the trace: :func:`adopt_new` puts the final ones in);
+  ``new_nodes`` the Pytree nodes among them.
+  """
+
+  out: Any
+  values: list
+  written: tuple[int, ...]
+  new_vars: tuple
+  new_nodes: tuple
+  new_values: list
+
+  def written_values(self) -> list:
+    return [self.values[i] for i in self.written]
+
+  def split_out(self, disc: Discovery) -> tuple[OutSpec, list]:
+    """The return value as a rebuild spec and its array leaves."""
+    return split_output(self.out, disc, self.new_nodes)
+
+  def shape(self) -> 'StepShape':
+    """The part of the result without tracers, safe to keep once the trace ends."""
+    defs = tuple(jax.tree.structure(x) for x in self.new_values)
+    written_defs = tuple(jax.tree.structure(self.values[i]) for i in self.written)
+    return StepShape(self.written, written_defs, self.new_vars, self.new_nodes, defs)
+
+
+class StepShape(NamedTuple):
+  """What a step did, without its traced values."""
+
+  written: tuple[int, ...]
+  written_defs: tuple  # tree structure of each written value (a write may change it: ``sow``)
+  new_vars: tuple
+  new_nodes: tuple
+  new_defs: tuple
+
+
+def state_step(fun: Callable, disc: Discovery, call: CallArgs, state_values: Sequence, dyn: Sequence,
+               *, keep_new: bool = True) -> StepResult:
+  """Swap ``state_values`` in, call ``fun`` on ``call`` with ``dyn``, collect, restore.
+
+  This is the one place a transform runs a user function against the
+  Variables; ``jit``, ``grad``, the mapped body and the loop bodies all
+  call it inside their own trace. With ``keep_new=False`` Variables the
+  function creates are detached again (a trace only).
+  """
+  with swapped(disc, state_values, keep_new=keep_new):
+    args, kwargs = call.rebuild(dyn, call.refs)
+    out = fun(*args, **kwargs)
+    now = [_compat.raw_value(v) for v in disc.variables]
+    new_vars, new_nodes = walk_new(disc)
+    new_values = [_compat.raw_value(v) for v in new_vars]
+    for v in new_vars:  # no tracer may outlive its trace: adopt_new gives the final values
+      _compat.set_raw_value(v, jax.tree.map(abstract, _compat.raw_value(v)))
+  written = tuple(i for i, (a, b) in enumerate(zip(now, state_values)) if a is not b)
+  return StepResult(out, now, written, tuple(new_vars), tuple(new_nodes), new_values)
 
 
 def write_values(disc: Discovery, indices: Sequence[int], values: Sequence) -> None:
@@ -151,22 +172,13 @@ def write_values(disc: Discovery, indices: Sequence[int], values: Sequence) -> N
         'transform (brainnx.jit, brainnx.vmap, brainnx.scan, ...), or return the value '
         'instead of writing it.'
       )
-  for i, x in zip(indices, values):
-    _compat.set_raw_value(variables[i], x)
+  with TRACE_LOCK:
+    for i, x in zip(indices, values):
+      _compat.set_raw_value(variables[i], x)
 
 
 def _holds_tracer(x) -> bool:
   return any(isinstance(leaf, _compat.Tracer) for leaf in jax.tree.leaves(x))
-
-
-def park_new(new_vars: Sequence) -> None:
-  """Replace the traced values of Variables created inside a trace by their shapes.
-
-  Called inside the trace once their values are collected as outputs, so that
-  no tracer outlives its trace; :func:`adopt_new` gives the final values.
-  """
-  for v in new_vars:
-    _compat.set_raw_value(v, jax.tree.map(abstract, _compat.raw_value(v)))
 
 
 def adopt_new(new_vars: Sequence, new_nodes: Sequence, values: Sequence) -> None:
@@ -179,6 +191,54 @@ def adopt_new(new_vars: Sequence, new_nodes: Sequence, values: Sequence) -> None
     _compat.set_node_trace_state(n, level)
 
 
+# -- abstract values ---------------------------------------------------------------
+
+_ARRAY_LIKE = (jax.Array, np.ndarray, np.generic, int, float, complex, bool, jax.ShapeDtypeStruct)
+
+
+def abstract(x) -> jax.ShapeDtypeStruct:
+  """A ``ShapeDtypeStruct`` for an array-like, keeping JAX's weak type (Python scalars)."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return x
+  aval = jax.typeof(x)
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def _abstract_tree(value, where: Callable[[], str]):
+  for leaf in jax.tree.leaves(value):
+    if not isinstance(leaf, _ARRAY_LIKE) and not isinstance(leaf, _compat.Tracer):
+      raise TypeError(
+        f'{where()} holds a {type(leaf).__name__} ({leaf!r:.60}), not an array: brainnx traces '
+        'Variable values and dynamic arguments as JAX arrays. Store arrays in Variables; pass '
+        'other values as static arguments (static_argnums/static_argnames) or module attributes'
+      )
+  return jax.tree.map(abstract, value)
+
+
+def abstract_states(disc: Discovery, values: Sequence) -> list:
+  """Abstract values of every discovered Variable; a non-array value → ``TypeError`` naming it."""
+  return [_abstract_tree(x, lambda i=i: disc.describe(i)) for i, x in enumerate(values)]
+
+
+def abstract_args(dyn: Sequence) -> list:
+  """Abstract values of a call's dynamic arguments."""
+  return [_abstract_tree(x, lambda k=k: f'dynamic argument {k}') for k, x in enumerate(dyn)]
+
+
+def aval_key(avals) -> Hashable:
+  leaves, treedef = jax.tree.flatten(avals)
+  return treedef, tuple((a.shape, a.dtype, a.weak_type) for a in leaves)
+
+
+class TraceKey(NamedTuple):
+  """What a cached trace depends on."""
+
+  discovery: Hashable  # structure, static attributes and captured names
+  call: Hashable  # argument kinds and static values
+  states: Hashable  # abstract values of the discovered Variables
+  args: Hashable  # abstract values of the dynamic arguments
+
+
 # -- one trace ---------------------------------------------------------------------
 
 
@@ -188,7 +248,7 @@ class Trace:
 
   ``closed`` takes the touched states' leaves (in ``states`` order) then the
   dynamic argument leaves; it returns the written states' leaves (or every
-  touched state's, when traced with ``return_only_write=False``), then the
+  touched state's, when traced with ``only_write=False``), then the
   leaves of Variables created inside, then the output leaves.
   """
 
@@ -196,7 +256,8 @@ class Trace:
   states: tuple[int, ...]  # touched discovery indices, in first-touch order
   read: frozenset
   written: tuple[int, ...]  # discovery indices, in ``states`` order
-  state_defs: tuple  # treedef of each touched state's value
+  state_avals: tuple  # abstract value of each touched state
+  out_defs: tuple  # tree structure of each returned state value (written or all, in ``states`` order)
   only_write: bool
   new_vars: tuple
   new_nodes: tuple
@@ -212,91 +273,73 @@ class Trace:
       flat.extend(jax.tree.leaves(x))
     outs = jax.core.eval_jaxpr(self.closed.jaxpr, self.closed.consts, *flat, *dyn_leaves)
     it = iter(outs)
-    out_states = self.written if self.only_write else self.states
-    by_index = {i: d for i, d in zip(self.states, self.state_defs)}
-    states = [_take(by_index[i], it) for i in out_states]
+    states = [_take(d, it) for d in self.out_defs]
     new = [_take(d, it) for d in self.new_defs]
     return states, new, list(it)
+
+  def check_states(self, disc: Discovery, values: Sequence, where: str) -> None:
+    """``ValueError`` naming the first value that does not fit its touched state."""
+    if len(values) != len(self.states):
+      raise ValueError(
+        f'{where}: expected {len(self.states)} state values (one per get_states() entry), got {len(values)}'
+      )
+    for i, value, expected in zip(self.states, values, self.state_avals):
+      got = _abstract_tree(value, lambda i=i: f'the value given for {disc.describe(i)}')
+      if jax.tree.structure(got) != jax.tree.structure(expected) or any(
+        (g.shape, g.dtype) != (e.shape, e.dtype) for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected))
+      ):
+        raise ValueError(
+          f'{where}: the value given for {disc.describe(i)} is {_show(got)}, but the trace '
+          f'expects {_show(expected)}'
+        )
+
+
+def _show(avals) -> str:
+  return ', '.join(f'{a.dtype}{list(a.shape)}' for a in jax.tree.leaves(avals)) or 'an empty tree'
 
 
 def _take(treedef, it):
   return jax.tree.unflatten(treedef, [next(it) for _ in range(treedef.num_leaves)])
 
 
-def abstract(x):
-  """A ``ShapeDtypeStruct`` for an array-like (weak types dropped)."""
-  if isinstance(x, jax.ShapeDtypeStruct):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype)
-  if hasattr(x, 'shape') and hasattr(x, 'dtype'):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype)
-  return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x))
-
-
-def abstract_key(values) -> Hashable:
-  leaves, treedef = jax.tree.flatten(values)
-  return treedef, tuple((tuple(a.shape), a.dtype) for a in map(abstract, leaves))
-
-
 def trace_call(
   fun: Callable,
   disc: Discovery,
   call: CallArgs,
-  state_values: Sequence,
-  dyn: Sequence,
+  state_avals: Sequence,
+  dyn_avals: Sequence,
   *,
   only_write: bool = True,
-  keep_structure: bool = True,
+  keep_new: bool = True,
 ) -> Trace:
-  """Trace ``fun`` on abstract versions of ``state_values`` and ``dyn``.
+  """Trace ``fun`` on the abstract values of the Variables and dynamic arguments.
 
-  With ``keep_structure`` Variables the function creates and attaches to
-  discovered Modules stay attached (holding tracers until the caller gives
-  them values with :func:`adopt_new`); otherwise such attributes are removed.
+  With ``keep_new`` Variables the function creates and attaches to
+  discovered containers stay attached (holding shapes until the caller
+  gives them values with :func:`adopt_new`); otherwise they are detached.
   """
-  side = {}
+  found: list = []  # (StepShape, OutSpec) of the traced call: no tracers, which must not outlive it
 
   @functools.wraps(fun)
   def flat_fun(states_in, dyn_in):
-    with swapped(disc, states_in):
-      args, kwargs = call.rebuild(dyn_in, call.nodes)
-      out = fun(*args, **kwargs)
-      new_values = [_compat.raw_value(v) for v in disc.variables]
-      new_vars, new_nodes = walk_new(disc.nodes, disc)
-      spec, out_leaves = split_output(out, disc, new_nodes)
-      new_var_values = [_compat.raw_value(v) for v in new_vars]
-      park_new(new_vars)
-    written = [i for i, (a, b) in enumerate(zip(new_values, states_in)) if a is not b]
-    side.update(written=written, new_vars=new_vars, new_nodes=new_nodes, spec=spec)
-    side['new_defs'] = tuple(jax.tree.structure(x) for x in new_var_values)
-    return [new_values[i] for i in written], new_var_values, out_leaves
+    step = state_step(fun, disc, call, states_in, dyn_in, keep_new=keep_new)
+    spec, out_leaves = step.split_out(disc)
+    found.append((step.shape(), spec))
+    return step.written_values(), step.new_values, out_leaves
 
-  state_avals = [jax.tree.map(abstract, x) for x in state_values]
-  dyn_avals = [jax.tree.map(abstract, x) for x in dyn]
-  closed, shapes = jax.make_jaxpr(flat_fun, return_shape=True)(state_avals, dyn_avals)
-  if not keep_structure:
-    for v in side['new_vars']:
-      _compat.set_raw_value(v, None)
-    drop_new_attributes(disc, side['new_vars'], side['new_nodes'])
-  return _finish_trace(closed, shapes, side, disc, state_values, only_write)
+  closed, shapes = jax.make_jaxpr(flat_fun, return_shape=True)(list(state_avals), list(dyn_avals))
+  (step, spec), = found
+  return _finish_trace(closed, shapes, step, spec, disc, state_avals, only_write)
 
 
-def drop_new_attributes(disc: Discovery, new_vars, new_nodes) -> None:
-  """Detach Variables and nodes a call created from the discovered Modules."""
-  new_ids = {id(x) for x in (*new_vars, *new_nodes)}
-  for n in disc.nodes:
-    attrs = vars(n)
-    for name in [k for k, v in attrs.items() if id(v) in new_ids]:
-      del attrs[name]
-
-
-def _finish_trace(closed, shapes, side, disc, state_values, only_write) -> Trace:
+def _finish_trace(closed, shapes, step: StepShape, spec: OutSpec, disc, state_avals, only_write) -> Trace:
   jaxpr = closed.jaxpr
-  leaf_counts = [len(jax.tree.leaves(x)) for x in state_values]
+  leaf_counts = [len(jax.tree.leaves(x)) for x in state_avals]
   starts = np.cumsum([0] + leaf_counts)
   n_state_leaves = int(starts[-1])
   state_invars = jaxpr.invars[:n_state_leaves]
   dyn_invars = jaxpr.invars[n_state_leaves:]
-  written = side['written']
+  written = step.written
   written_set = set(written)
 
   first_use: dict = {}
@@ -305,7 +348,7 @@ def _finish_trace(closed, shapes, side, disc, state_values, only_write) -> Trace
       if isinstance(a, jax.extend.core.Var):
         first_use.setdefault(a, k)
   n_eqns = len(jaxpr.eqns)
-  n_written_leaves = sum(leaf_counts[i] for i in written)
+  n_written_leaves = sum(d.num_leaves for d in step.written_defs)
   produced = {}
   for k, eqn in enumerate(jaxpr.eqns):
     for o in eqn.outvars:
@@ -323,9 +366,11 @@ def _finish_trace(closed, shapes, side, disc, state_values, only_write) -> Trace
       touch[i] = min(uses)
   out_it = 0
   written_outvars = {}
+  written_def = dict(zip(written, step.written_defs))
   for i in written:
-    outs = jaxpr.outvars[out_it : out_it + leaf_counts[i]]
-    out_it += leaf_counts[i]
+    n_out = written_def[i].num_leaves
+    outs = jaxpr.outvars[out_it : out_it + n_out]
+    out_it += n_out
     written_outvars[i] = outs
     # a value produced by equation k was written after k ran
     at = min((produced.get(o, n_eqns) + 0.5 if isinstance(o, jax.extend.core.Var) else n_eqns for o in outs), default=n_eqns)
@@ -343,11 +388,9 @@ def _finish_trace(closed, shapes, side, disc, state_values, only_write) -> Trace
       for a in (written_outvars[i] if i in written_set else state_invars[starts[i] : starts[i + 1]])
     ]
   new_outvars = state_outs + list(rest)
-  info = jaxpr.debug_info
-  if info is not None:
-    arg_names = tuple(disc.describe(i) for i in states for _ in range(leaf_counts[i]))
-    arg_names += tuple(f'arg{k}' for k in range(len(dyn_invars)))
-    info = info._replace(arg_names=arg_names, result_paths=tuple(f'out{k}' for k in range(len(new_outvars))))
+  arg_names = tuple(disc.describe(i) for i in states for _ in range(leaf_counts[i]))
+  arg_names += tuple(f'arg{k}' for k in range(len(dyn_invars)))
+  info = _compat.with_debug_names(jaxpr.debug_info, arg_names, tuple(f'out{k}' for k in range(len(new_outvars))))
   new_jaxpr = jaxpr.replace(invars=new_invars, outvars=new_outvars, debug_info=info)
   new_closed = jax.extend.core.ClosedJaxpr(new_jaxpr, closed.consts)
   cacheable = not any(isinstance(c, _compat.Tracer) for c in closed.consts)
@@ -356,13 +399,18 @@ def _finish_trace(closed, shapes, side, disc, state_values, only_write) -> Trace
     states=states,
     read=frozenset(read),
     written=tuple(i for i in states if i in written_set),
-    state_defs=tuple(jax.tree.structure(state_values[i]) for i in states),
+    state_avals=tuple(state_avals[i] for i in states),
+    out_defs=tuple(
+      written_def[i] if i in written_set else jax.tree.structure(state_avals[i])
+      for i in states
+      if i in written_set or not only_write
+    ),
     only_write=only_write,
-    new_vars=tuple(side['new_vars']),
-    new_nodes=tuple(side['new_nodes']),
-    new_defs=side['new_defs'],
-    out_spec=side['spec'],
-    out_shapes=side['spec'].rebuild(list(shapes[2]), disc),
+    new_vars=step.new_vars,
+    new_nodes=step.new_nodes,
+    new_defs=step.new_defs,
+    out_spec=spec,
+    out_shapes=spec.rebuild(list(shapes[2]), disc),
     cacheable=cacheable,
   )
 
@@ -419,8 +467,7 @@ class StatefulFunction:
     if not callable(fun):
       raise TypeError(f'StatefulFunction needs a callable, got {type(fun).__name__}')
     self.fun = fun
-    self.static_argnums = normalize_static_argnums(static_argnums)
-    self.static_argnames = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+    self.statics = StaticArgs.resolve(fun, static_argnums, static_argnames, what='StatefulFunction')
     self.name = name or getattr(fun, '__name__', type(fun).__name__)
     self.return_only_write = return_only_write
     self._cache = LRUCache(cache_size)
@@ -431,27 +478,28 @@ class StatefulFunction:
   # -- tracing ----------------------------------------------------------------
 
   def _prepare(self, args, kwargs):
-    call = CallArgs.split(args, kwargs, self.static_argnums, self.static_argnames)
+    call = CallArgs.split(args, kwargs, self.statics)
     disc = discover(self.fun, args, kwargs)
     return call, disc
 
-  def trace_for(self, disc: Discovery, call: CallArgs, state_values, dyn, *, keep_structure=True) -> Trace:
+  def trace_for(self, disc: Discovery, call: CallArgs, state_values, dyn, *, keep_new=True) -> Trace:
     """The (cached) trace of this call; ``state_values`` are per discovered Variable."""
-    key = (disc.signature, call.signature, abstract_key(list(state_values)), abstract_key(list(dyn)))
+    state_avals, dyn_avals = abstract_states(disc, state_values), abstract_args(dyn)
+    key = TraceKey(disc.signature, call.signature, aval_key(state_avals), aval_key(dyn_avals))
     found = self._cache.get(key)
     if found is not None:
       return found
     trace = trace_call(
-      self.fun, disc, call, state_values, dyn, only_write=self.return_only_write, keep_structure=keep_structure
+      self.fun, disc, call, state_avals, dyn_avals, only_write=self.return_only_write, keep_new=keep_new
     )
     if trace.cacheable:
       self._cache.set(key, trace)
     return trace
 
-  def _trace(self, args, kwargs, keep_structure=False):
+  def _trace(self, args, kwargs, keep_new=False):
     call, disc = self._prepare(args, kwargs)
     values = [_compat.raw_value(v) for v in disc.variables]
-    return call, disc, self.trace_for(disc, call, values, call.dyn, keep_structure=keep_structure)
+    return call, disc, self.trace_for(disc, call, values, call.dyn, keep_new=keep_new)
 
   def make_jaxpr(self, *args, **kwargs) -> 'StatefulFunction':
     """Trace for these arguments (arrays or ``jax.ShapeDtypeStruct``s); returns ``self``."""
@@ -490,11 +538,7 @@ class StatefulFunction:
     """
     call, disc, trace = self._trace(args, kwargs)
     state_vals = list(state_vals)
-    if len(state_vals) != len(trace.states):
-      raise ValueError(
-        f'{self.name}.jaxpr_call: expected {len(trace.states)} state values '
-        f'(one per get_states() entry), got {len(state_vals)}'
-      )
+    trace.check_states(disc, state_vals, f'{self.name}.jaxpr_call')
     outs, _, out_leaves = trace.run(state_vals, jax.tree.leaves(call.dyn))
     by_index = dict(zip(trace.written if trace.only_write else trace.states, outs))
     new_vals = [by_index.get(i, x) for i, x in zip(trace.states, state_vals)]
@@ -504,10 +548,15 @@ class StatefulFunction:
     """Run the traced computation on current values and write the results back."""
     call, disc = self._prepare(args, kwargs)
     values = [_compat.raw_value(v) for v in disc.variables]
-    trace = self.trace_for(disc, call, values, call.dyn, keep_structure=True)
-    outs, new, out_leaves = trace.run([values[i] for i in trace.states], jax.tree.leaves(call.dyn))
-    if trace.closed.effects:  # let a failing host callback raise before anything is written
-      jax.block_until_ready((outs, new, out_leaves))
+    contents = disc.snapshot()
+    try:
+      trace = self.trace_for(disc, call, values, call.dyn, keep_new=True)
+      outs, new, out_leaves = trace.run([values[i] for i in trace.states], jax.tree.leaves(call.dyn))
+      if trace.closed.effects:  # let a failing host callback raise before anything is written
+        jax.block_until_ready((outs, new, out_leaves))
+    except BaseException:
+      disc.restore(contents)
+      raise
     written = trace.written if trace.only_write else trace.states
     write_values(disc, written, outs)
     adopt_new(trace.new_vars, trace.new_nodes, new)

@@ -1,7 +1,10 @@
 """Private JAX/Flax APIs are used in brainnx/_compat.py only."""
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -38,7 +41,39 @@ def test_no_private_imports_outside_compat(path):
   private = [m for m in _imports(path) if _private(m)]
   assert not private, f'{path.name} imports private modules {private}; route them through _compat.py'
   text = path.read_text()
-  assert 'jax._src' not in text and '._raw_value' not in text and '._trace_state' not in text
+  for private in PRIVATE_USES:
+    assert private not in text, f'{path.name} uses {private!r}; route it through _compat.py'
+
+
+# Private attributes and internal conventions of jax and flax that only _compat.py may touch.
+PRIVATE_USES = (
+  'jax._src', '._raw_value', '._trace_state', '_pytree__', '._replace(', 'debug_info._',
+  '.__dict__', '_can_update', 'trace_ctx', 'type(jnp.', 'ArrayImpl)',
+)
+
+
+@pytest.mark.parametrize('path', sorted(PACKAGE.glob('*.py')), ids=lambda p: p.name)
+def test_attribute_dicts_are_reached_through_compat(path):
+  """``vars(node)`` (whose writes bypass flax's checks) is called in _compat.py only."""
+  if path.name == '_compat.py':
+    return
+  calls = [
+    node.lineno
+    for node in ast.walk(ast.parse(path.read_text()))
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == 'vars'
+  ]
+  assert not calls, f'{path.name} calls vars() on lines {calls}; use _compat.attributes'
+
+
+def test_importing_brainnx_starts_no_jax_backend():
+  """``import brainnx`` must not initialise a JAX backend (which costs time and claims devices)."""
+  code = (
+    'import brainnx, jax._src.xla_bridge as xb, sys; '
+    'sys.exit(1 if xb._backends else 0)'
+  )
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  result = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, f'import brainnx started a JAX backend\n{result.stderr}'
 
 
 def test_compat_is_where_the_private_uses_are():

@@ -123,17 +123,26 @@ def test_static_arguments_and_cache_per_signature():
   assert sf.get_cache_stats()['jaxpr_cache']['size'] == 0
 
 
-def test_weak_type_only_change_does_not_retrace():
-  calls = []
+def test_weak_type_is_part_of_the_signature_as_in_jax():
+  """A weakly typed Python scalar and a float32 array are two traces, as under jax.jit."""
+  calls, jax_calls = [], []
 
   def f(x):
     calls.append(1)
     return x * 2
 
+  def g(x):
+    jax_calls.append(1)
+    return x * 2
+
   sf = bnx.StatefulFunction(f)
   sf.make_jaxpr(1.0)  # weakly typed float32
   sf.make_jaxpr(jnp.float32(1.0))  # strongly typed float32
-  assert calls == [1]
+  sf.make_jaxpr(2.0)  # weak again: cached
+  jg = jax.jit(g)
+  jg(1.0), jg(jnp.float32(1.0)), jg(2.0)
+  assert len(calls) == len(jax_calls) == 2
+  assert sf.get_jaxpr(1.0).jaxpr.invars[0].aval.weak_type
 
 
 def test_cache_is_bounded():

@@ -1,0 +1,107 @@
+"""The one eager entry point: a transform called outside any trace runs compiled.
+
+Inside a trace a transform runs its body directly. Outside, the call goes
+through a ``brainnx.jit`` of the body, cached per owner (the transform
+object, or the user function of a loop) and per static configuration in a
+cache that holds owners weakly: dropping the function drops its programs.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from brainnx._eager import run
+  >>> def body(f, x, scale):
+  ...   return f(x) * scale
+  >>> double = lambda x: x * 2
+  >>> run(body, (double,), (3.0,), (jnp.ones(2),)).tolist()
+  [6.0, 6.0]
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from typing import Any, Callable, Sequence
+
+import jax
+
+from brainnx import _compat
+from brainnx._caches import WeakCache
+from brainnx._jit import JitOptions, JittedFunction
+
+__all__ = ['eager', 'run']
+
+_PROGRAMS = WeakCache(512)
+
+
+def eager() -> bool:
+  """True outside any trace and outside ``jax.disable_jit()``: the call runs compiled."""
+  return _compat.at_top_level() and not jax.config.jax_disable_jit
+
+
+def run(
+  body: Callable,
+  owners: Sequence[Any],
+  config: tuple,
+  args: tuple,
+  kwargs: dict | None = None,
+  *,
+  discover_from: Any = None,
+  options: JitOptions = JitOptions(),
+):
+  """``body(*owners, *args, *config, **kwargs)``, compiled when called eagerly.
+
+  ``owners`` (functions, transform objects, progress bars; ``None`` entries
+  allowed) are held weakly by the cache; ``config`` is hashable and part of
+  the key. Discovery starts from ``discover_from`` (default: the owners).
+  """
+  kwargs = kwargs or {}
+  if not eager():
+    return body(*owners, *args, *config, **kwargs)
+  live = [x for o in owners if o is not None for x in _key_objects(o)]
+  key = (body, tuple(o is None for o in owners), config)
+  jitted = _PROGRAMS.get(live, key)
+  if jitted is None:
+    jitted = _compile(body, owners, config, discover_from, options)
+    _PROGRAMS.set(live, key, jitted)
+  return jitted(*args, **kwargs)
+
+
+def _compile(body, owners, config, discover_from, options) -> JittedFunction:
+  refs = tuple(_ref(o) for o in owners)
+
+  def traced(*args, **kwargs):
+    return body(*(r() for r in refs), *args, *config, **kwargs)
+
+  source = discover_from if discover_from is not None else _WeakOwners(refs)
+  return JittedFunction(source, options, traced=traced, name=getattr(body, '__name__', None))
+
+
+class _WeakOwners:
+  """What discovery explores for a weakly held owner: its live objects, via ``__wrapped__``."""
+
+  def __init__(self, refs):
+    self._refs = refs
+
+  def __call__(self, *args, **kwargs):  # never called: a discovery root only
+    raise TypeError('not callable')
+
+  @property
+  def __wrapped__(self):
+    return [o for o in (r() for r in self._refs) if o is not None]
+
+
+def _key_objects(obj) -> tuple:
+  """A bound method is made anew on every attribute access: key it by its function and self."""
+  if isinstance(obj, types.MethodType):
+    return (obj.__func__, obj.__self__)
+  return (obj,)
+
+
+def _ref(obj):
+  if obj is None:
+    return lambda: None
+  if isinstance(obj, types.MethodType):
+    return weakref.WeakMethod(obj)
+  try:
+    return weakref.ref(obj)
+  except TypeError:
+    return lambda: obj
