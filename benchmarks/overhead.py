@@ -17,6 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import flax
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -100,13 +101,16 @@ def main(argv=None) -> None:
   parser.add_argument('--calls', type=int, default=500)
   parser.add_argument('--deep', type=int, default=100, help='depth of the deep stack')
   args = parser.parse_args(argv)
-  print(f'jax {jax.__version__}, flax {nnx.__name__} on {jax.devices()[0].platform}\n')
+  print(f'jax {jax.__version__}, flax {flax.__version__} on {jax.devices()[0].platform}\n')
 
   shallow = interleaved(variants(2), rounds=args.rounds, calls=args.calls)
   print(table('2-layer MLP 32x32, batch 16: per-call median', shallow, 'us', 'raw jax.jit'))
   first = first_calls(first_call_makers(2))
   print()
   print(table('2-layer MLP: first call (trace + compile)', first, 'ms', 'raw jax.jit'))
+  first_deep = first_calls(first_call_makers(args.deep), trials=3)
+  print()
+  print(table(f'{args.deep}-layer stack: first call (trace + compile)', first_deep, 'ms', 'raw jax.jit'))
 
   deep = interleaved(variants(args.deep), rounds=max(10, args.rounds // 4), calls=max(10, args.calls // 4))
   print()

@@ -19,6 +19,7 @@ from jax._src.interpreters import batching as _batching
 
 __all__ = [
   'ArrayImpl',
+  'DataAttribute',
   'Tracer',
   'at_top_level',
   'attributes',
@@ -82,6 +83,38 @@ def restore_entries(current: dict, entries: dict, missing) -> None:
       current.pop(key, None)
     else:
       current[key] = value
+
+
+class DataAttribute:
+  """An array held as a data attribute of a graph node (``self.arr = nnx.data(x)``, or any
+  array attribute, which ``nnx.state`` lists as state), managed by brainnx like a Variable.
+
+  It stands for ``container[key]`` (a node's attribute dict, or a list or dict held in a data
+  attribute): brainnx reads and writes its value through the same ``raw_value`` /
+  ``set_raw_value`` as a Variable's, which here read and write the container directly.
+  """
+
+  __slots__ = ('container', 'key', '_trace_state', '__weakref__')
+  hijax = ref = False
+
+  def __init__(self, container, key):
+    self.container, self.key = container, key
+    self._trace_state = _nnx_tracers.TraceState()
+
+  @property
+  def _raw_value(self):
+    return self.container[self.key]
+
+  @_raw_value.setter
+  def _raw_value(self, value):
+    self.container[self.key] = value
+
+  @property
+  def _can_update(self) -> bool:
+    return self._trace_state.is_valid()
+
+  def __repr__(self) -> str:
+    return f'DataAttribute({self.key!r})'
 
 
 def is_internal_attribute(name: str) -> bool:

@@ -56,6 +56,9 @@ _ATOMS = (
   types.MethodType, functools.partial, np.dtype, range, type(Ellipsis),
 )
 
+# Array values held by graph nodes: state, as ``nnx.split`` sees them.
+_ARRAYS = (jax.Array, np.ndarray, _compat.Tracer)
+
 # Packages whose objects are never entered as plain objects (their state is not the user's).
 _LIBRARY_PACKAGES = frozenset({
   'jax', 'jaxlib', 'flax', 'numpy', 'optax', 'tqdm', 'chex', 'matplotlib', 'orbax', 'brainnx',
@@ -173,31 +176,31 @@ class Guard:
   object's, a dict, a list). ``ok()`` compares the names by identity and
   the entries in two C-level passes: the whole flattened list by equality
   (static attributes may be re-set to equal values), and the graph entries
-  (Variables, Modules, containers holding them) by identity.
+  (Variables, Modules, containers holding them) by identity. Data-attribute
+  arrays are state, like a Variable's value: not compared at all.
   """
 
-  __slots__ = ('_cells', '_globals', '_views', '_values', '_graph_at', '_graph_values', 'ok')
+  __slots__ = ('_cells', '_globals', '_views', '_size', '_static_at', '_static_values', '_graph_at', '_graph_values', 'ok')
 
   def __init__(self, cells, globals_, containers, masks):
     self._cells = tuple(cells)  # (cell, object)
     self._globals = tuple(globals_)  # (namespace, name, object)
     # live views: reading them costs no method call per container
     self._views = tuple(c.values() if isinstance(c, dict) else c for c in containers)
-    self._values = list(_chain(self._views))
-    at = [i for i, m in enumerate(_chain(masks)) if m]
-    if len(at) == 1:
-      (i,) = at
-      self._graph_at = lambda values: (values[i],)
-    else:
-      self._graph_at = operator.itemgetter(*at) if at else (lambda values: ())
-    self._graph_values = self._graph_at(self._values)
-
+    codes = list(_chain(masks))
+    values = list(_chain(self._views))
+    self._size = len(values)
+    self._static_at = _picker([i for i, c in enumerate(codes) if c == STATIC])
+    self._graph_at = _picker([i for i, c in enumerate(codes) if c == GRAPH])
+    self._static_values = self._static_at(values)
+    self._graph_values = self._graph_at(values)
     self.ok = self._make_check()
 
   def _make_check(self):
     """``ok()`` as a closure over locals: this runs on every warm call."""
-    cells, namespaces, views = self._cells, self._globals, self._views
-    values, graph_at, graph_values = self._values, self._graph_at, self._graph_values
+    cells, namespaces, views, size = self._cells, self._globals, self._views, self._size
+    static_at, static_values = self._static_at, self._static_values
+    graph_at, graph_values = self._graph_at, self._graph_values
     chain, is_ = _chain, operator.is_
 
     def ok() -> bool:
@@ -212,14 +215,31 @@ class Guard:
         if namespace.get(name, _MISSING) is not obj:
           return False
       now = [*chain(views)]
+      if len(now) != size:
+        return False
       try:
-        if now != values:
+        if static_at(now) != static_values:
           return False
       except Exception:  # an array compared with an array: no single truth value
         return False
       return all(map(is_, graph_at(now), graph_values))
 
     return ok
+
+
+# What a guarded container entry is: compared by equality, by identity, or not at all (its
+# value is state that calls write: a data-attribute array).
+STATIC, GRAPH, DATA = 0, 1, 2
+
+
+def _picker(positions: list):
+  """``pick(values) -> tuple`` of the entries at ``positions`` (C-level for two or more)."""
+  if not positions:
+    return lambda values: ()
+  if len(positions) == 1:
+    (i,) = positions
+    return lambda values: (values[i],)
+  return operator.itemgetter(*positions)
 
 
 _chain = itertools.chain.from_iterable
@@ -270,30 +290,35 @@ class Discovery:
     return [dict(c) if isinstance(c, dict) else list(c) for c in self.containers]
 
   def restore(self, saved: list) -> None:
-    """Undo the changes made since :meth:`snapshot` that add, replace or remove graph nodes
-    (Variables, Modules); other Python side effects in the same containers stay."""
+    """Undo the changes made since :meth:`snapshot` that add, replace or remove state (graph
+    nodes, arrays); other Python side effects in the same containers stay."""
     for container, before in zip(self.containers, saved):
       if isinstance(container, list):
         if len(container) == len(before) and all(a is b for a, b in zip(container, before)):
           continue
         olds, news = {id(x): x for x in before}, {id(x): x for x in container}
         changed = [x for k, x in olds.items() if k not in news] + [x for k, x in news.items() if k not in olds]
-        if any(map(holds_graph_node, changed)):
+        if any(map(_is_state, changed)):
           container[:] = before
         continue
       undo = {}
       for key in container.keys() | before.keys():
         old, new = before.get(key, _MISSING), container.get(key, _MISSING)
-        if old is not new and (holds_graph_node(old) or holds_graph_node(new)):
+        if old is not new and (_is_state(old) or _is_state(new)):
           undo[key] = old
       if undo:
         _compat.restore_entries(container, undo, _MISSING)
 
 
+def _is_state(x) -> bool:
+  """A container entry a call may not leave changed on error: a graph node or an array."""
+  return isinstance(x, _ARRAYS) or holds_graph_node(x)
+
+
 class _Walker:
   """Depth-first walk of graph nodes and containers, recording Variables."""
 
-  def __init__(self, known_ids=None):
+  def __init__(self, known_ids=None, known_slots=None):
     self.variables, self.paths, self.root_of = [], [], []
     self.nodes = []
     self.streams = []
@@ -305,6 +330,7 @@ class _Walker:
     self._seen: set[int] = set()
     self._relevant: set[int] = set()
     self._known = known_ids  # when set: only report Variables not in it
+    self._known_slots = known_slots or set()  # (id(container), key) of known data attributes
 
   def walk(self, obj, path: Path, root: int) -> bool:
     """Walk ``obj``; True when it is or holds a graph node or Variable."""
@@ -337,6 +363,20 @@ class _Walker:
       self._relevant.add(key)
     return found
 
+  def _data(self, container, key, path, root) -> int:
+    """Register the array at ``container[key]`` (a data attribute) as state; its mask code."""
+    if (id(container), key) in self._known_slots:
+      return DATA
+    self._record(_compat.DataAttribute(container, key), path, root)
+    return DATA
+
+  def _record(self, var, path, root) -> None:
+    self._var_ids[id(var)] = len(self.variables)
+    self.variables.append(var)
+    self.paths.append(path)
+    self.root_of.append(root)
+    self.signature.append((path, type(var)))
+
   def _variable(self, var, path, root) -> bool:
     if id(var) in self._var_ids:
       return True
@@ -349,27 +389,26 @@ class _Walker:
         'mutable-array Variables); brainnx transforms manage plain Variables only: create it '
         'with the defaults (hijax=False, ref=False)'
       )
-    self._var_ids[id(var)] = len(self.variables)
-    self.variables.append(var)
-    self.paths.append(path)
-    self.root_of.append(root)
-    self.signature.append((path, type(var)))
+    self._record(var, path, root)
     return True
 
   def _pytree(self, node, path, root) -> bool:
     self.nodes.append(node)
     attrs = _compat.attributes(node)
     int_keys = _compat.pytree_has_int_keys(type(node))
-    statics, mask = [], []
-    for name, value in list(attrs.items()):
-      if _compat.is_internal_attribute(name):
-        mask.append(False)
-        continue
-      child_key = int(name) if int_keys and name.isdigit() else name
-      relevant = self.walk(value, path + (child_key,), root)
-      mask.append(relevant)
-      if not relevant:
+    items = list(attrs.items())
+    keyed = [(int(n) if int_keys and n.isdigit() else n, n, v) for n, v in items if not _compat.is_internal_attribute(n)]
+    codes, statics = {}, []
+    for child_key, name, value in sorted(keyed, key=lambda t: (type(t[0]).__name__, t[0])):  # nnx's order
+      if isinstance(value, _ARRAYS):  # an array attribute is state in nnx.split, as a Variable is
+        codes[name] = self._data(attrs, name, path + (child_key,), root)
+      elif isinstance(value, (list, dict)) and not isinstance(value, nnx.Pytree):
+        codes[name] = GRAPH if self._data_container(value, path + (child_key,), root) else STATIC
+      else:
+        codes[name] = GRAPH if self.walk(value, path + (child_key,), root) else STATIC
+      if codes[name] == STATIC:
         statics.append((name, static_key(value)))
+    mask = [codes.get(name, STATIC) for name, _ in items]
     self.containers.append(attrs)
     self.watched.append(attrs)
     self.masks.append(mask)
@@ -397,6 +436,28 @@ class _Walker:
       self.signature.append((path, owner, relevant, statics))
     else:
       self.signature.append((path, type(container), relevant))
+    return True
+
+  def _data_container(self, container, path, root) -> bool:
+    """A list or dict held as a node's attribute: its arrays are data, like attributes."""
+    key = id(container)
+    if key in self._seen:
+      return key in self._relevant
+    self._seen.add(key)
+    items = list(container.items()) if isinstance(container, dict) else list(enumerate(container))
+    self.watched.append(container)
+    mask = []
+    for k, v in items:
+      if isinstance(v, _ARRAYS):
+        mask.append(self._data(container, k, path + (k,), root))
+      else:
+        mask.append(GRAPH if self.walk(v, path + (k,), root) else STATIC)
+    if not any(mask):
+      return False
+    self._relevant.add(key)
+    self.containers.append(container)
+    self.masks.append(mask)
+    self.signature.append((path, type(container), tuple(k for (k, _), m in zip(items, mask) if m)))
     return True
 
   def _generic(self, obj, path, root) -> bool:
@@ -559,12 +620,16 @@ def discover(fun: Callable, args: tuple, kwargs: dict) -> Discovery:
 
 
 def walk_new(known: Discovery):
-  """Variables and Pytree nodes reachable from ``known``'s containers that it lacks.
+  """Variables (and data-attribute arrays) and Pytree nodes reachable from ``known``'s nodes
+  and containers that it lacks.
 
-  Used after a traced call to find Variables the function created and
-  attached to existing graph nodes, plain objects, dicts or lists.
+  Used after a traced call to find state the function created and attached to existing
+  graph nodes, plain objects, dicts or lists.
   """
-  walker = _Walker(known_ids={id(v) for v in known.variables})
+  slots = {(id(v.container), v.key) for v in known.variables if isinstance(v, _compat.DataAttribute)}
+  walker = _Walker(known_ids={id(v) for v in known.variables}, known_slots=slots)
+  for node in known.nodes:
+    walker.walk(node, (), 0)
   for i, container in enumerate(known.containers):
     walker.walk(list(container.values()) if isinstance(container, dict) else list(container), (i,), 0)
   known_nodes = {id(n) for n in known.nodes}

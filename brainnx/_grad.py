@@ -63,7 +63,7 @@ class _Targets:
       return lambda grads: grads[k]
     flat = list(nnx.to_flat_state(nnx.state(node, nnx.Param)))
     slots = [(path, var, self._index(var)) for path, var in flat]
-    return lambda grads: nnx.from_flat_state([(path, var.copy(grads[k])) for path, var, k in slots])
+    return lambda grads: nnx.from_flat_state([(path, _grad_leaf(var, grads[k])) for path, var, k in slots])
 
   def _resolve(self, spec, disc: Discovery):
     if is_graph_node(spec):
@@ -79,7 +79,7 @@ class _Targets:
     if not matched:
       raise ValueError(f'grad: grad_states={spec!r} matches none of the Variables the function uses')
     slots = [(path, var, self._index(var)) for path, var in matched]
-    return lambda grads: nnx.from_flat_state([(path, var.copy(grads[k])) for path, var, k in slots])
+    return lambda grads: nnx.from_flat_state([(path, _grad_leaf(var, grads[k])) for path, var, k in slots])
 
   def check_differentiable(self, disc: Discovery) -> None:
     for v in self.variables:
@@ -95,6 +95,11 @@ class _Targets:
 
   def pack_states(self, grads):
     return self._pack_state(grads)
+
+
+def _grad_leaf(var, grad):
+  """A gradient in the shape ``nnx.State`` gives its state: a Variable, or a data array as is."""
+  return var.copy(grad) if isinstance(var, nnx.Variable) else grad
 
 
 def _grad_call(fun, grad_states, argnums, argnums_is_int, has_aux, args, kwargs):

@@ -139,6 +139,14 @@ class _Body:
     return trace.run([values[i] for i in trace.states], dyn_leaves)[2]
 
   def _keep_type(self, new, old, i):
+    if jax.tree.structure(new) != jax.tree.structure(old):
+      raise ValueError(
+        f'{self.name}: {self.disc.describe(i)} changes its value\'s structure inside the loop, '
+        f'from {jax.tree.structure(old)} to {jax.tree.structure(new)} (e.g. Module.sow appending '
+        'per step); loop-carried Variables must keep it: return per-step values as the loop\'s '
+        'outputs instead, or sow outside the loop'
+      )
+
     def one(n, o):
       if jnp.shape(n) != jnp.shape(o):
         raise ValueError(

@@ -417,6 +417,15 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
 
 
 def _new_var_axis(cfg: MapConfig, variable, batched: bool):
+  """Where a Variable created inside the call goes: ``state_out_axes`` first, as for others."""
+  hit, axis = cfg.state_out.axis_of((), variable)
+  if hit:
+    if axis is None and batched:
+      raise BatchAxisError(
+        f'{cfg.name}: a {type(variable).__name__} created inside the mapped function is declared '
+        'state_out_axes=None (one shared copy) but differs per batch element'
+      )
+    return ONCE if axis is None else axis
   if not cfg.new_states:
     if batched and cfg.policy is Policy.RAISE:
       raise BatchAxisError(

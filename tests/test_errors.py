@@ -59,7 +59,7 @@ def test_while_loop_bad_cond_and_body():
 
 def test_module_argument_axis_errors_name_the_argument():
   model = MLP(3, 4, 2, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match=r"inconsistent batch sizes \[2, 3, 4\] \(Param at \(0, 'l1', 'kernel'\): 3.*Pass in_axes=None"):
+  with pytest.raises(ValueError, match=r"inconsistent batch sizes \[2, 3, 4\] \(Param at \(0, 'l1', 'bias'\): 4, Param at \(0, 'l1', 'kernel'\): 3.*Pass in_axes=None"):
     bnx.vmap(lambda m, x: m(x), in_axes=(0, None))(model, jnp.ones((5, 3)))
 
 

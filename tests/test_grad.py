@@ -127,7 +127,7 @@ def test_other_writes_are_kept():
 def test_non_differentiable_selection_is_named():
   rngs = nnx.Rngs(0)
   steps = nnx.Variable(jnp.array(3))
-  with pytest.raises(TypeError, match=r"RngKey at \('rngs', 'default', 'key'\)"):
+  with pytest.raises(TypeError, match=r"RngCount at \('rngs', 'default', 'count'\) \(dtype uint32\)"):
     bnx.grad(lambda: rngs.normal(()), grad_states=nnx.RngState)()
   with pytest.raises(TypeError, match=r"Variable at \('steps',\) \(dtype int32\)"):
     bnx.grad(lambda: steps[...] * 2.0, grad_states=steps)()
