@@ -190,7 +190,10 @@ class Guard:
     codes = list(_chain(masks))
     values = list(_chain(self._views))
     self._size = len(values)
-    self._static_at = _picker([i for i, c in enumerate(codes) if c == STATIC])
+    if DATA in codes:
+      self._static_at = _picker([i for i, c in enumerate(codes) if c == STATIC])
+    else:  # the common case: the whole list, compared in one C call
+      self._static_at = _whole
     self._graph_at = _picker([i for i, c in enumerate(codes) if c == GRAPH])
     self._static_values = self._static_at(values)
     self._graph_values = self._graph_at(values)
@@ -230,6 +233,10 @@ class Guard:
 # What a guarded container entry is: compared by equality, by identity, or not at all (its
 # value is state that calls write: a data-attribute array).
 STATIC, GRAPH, DATA = 0, 1, 2
+
+
+def _whole(values: list) -> list:
+  return values
 
 
 def _picker(positions: list):

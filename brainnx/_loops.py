@@ -199,6 +199,24 @@ def _scan_parts(f, init, xs, name):
   return body, n_carry
 
 
+def _in_python() -> bool:
+  """Under ``jax.disable_jit()`` with concrete values, loops run as Python loops (inside an
+  outer trace, e.g. ``jax.vmap``, they stay JAX loops, as ``jax.lax``'s do)."""
+  return jax.config.jax_disable_jit and _compat.at_top_level()
+
+
+def _all_or_nothing(f, args, loop: Callable):
+  """Run a Python loop; if a step fails, every Variable it reaches gets its pre-call value."""
+  disc = discover(f, args, {})
+  before, contents = [_compat.raw_value(v) for v in disc.variables], disc.snapshot()
+  try:
+    return loop()
+  except BaseException:
+    write_values(disc, range(len(before)), before)
+    disc.restore(contents)
+    raise
+
+
 def _python_scan(f, init, xs, n, reverse, runner):
   run_id = runner._open() if runner else None
   carry, ys = init, []
@@ -236,8 +254,8 @@ def scan(f: Callable, init: Any, xs: Any, length: int | None = None, reverse: bo
 def _scan_impl(f, bar, init, xs, length, reverse, unroll, pbar):
   n = leading_length(xs, length, 'scan')
   runner = runner_for(bar or pbar, n)
-  if jax.config.jax_disable_jit:
-    return _python_scan(f, init, xs, n, reverse, runner)
+  if _in_python():
+    return _all_or_nothing(f, (init, xs), lambda: _python_scan(f, init, xs, n, reverse, runner))
   body, n_carry = _scan_parts(f, init, xs, 'scan')
 
   def step(carry, x_leaves):
@@ -362,8 +380,8 @@ def _checkpointed_impl(f, bar, init, xs, length, base, pbar):
   if n == 0:
     raise ValueError('checkpointed_scan: zero-length loops are not supported')
   runner = runner_for(bar or pbar, n)
-  if jax.config.jax_disable_jit:
-    return _python_scan(f, init, xs, n, False, runner)
+  if _in_python():
+    return _all_or_nothing(f, (init, xs), lambda: _python_scan(f, init, xs, n, False, runner))
   body, n_carry = _scan_parts(f, init, xs, 'checkpointed_scan')
 
   xs_leaves = _dyn_leaves(xs)
@@ -428,11 +446,15 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any):
 
 
 def _while_impl(cond_fun, body_fun, init_val):
-  if jax.config.jax_disable_jit:
-    val = init_val
-    while cond_fun(val):
-      val = body_fun(val)
-    return val
+  if _in_python():
+
+    def python_loop():
+      val = init_val
+      while cond_fun(val):
+        val = body_fun(val)
+      return val
+
+    return _all_or_nothing((cond_fun, body_fun), (init_val,), python_loop)
 
   disc = discover((cond_fun, body_fun), (init_val,), {})
   body = _Body(body_fun, (init_val,), 'while_loop', disc)

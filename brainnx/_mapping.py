@@ -316,13 +316,32 @@ def _decide(cfg: MapConfig, disc: Discovery, i: int, in_axis, batched: bool):
   return 0
 
 
-def _place(value, axis):
-  """Move the batch axis (0) of every leaf to ``axis``, or keep one copy (``ONCE``)."""
+def _place(value, axis, empty: bool = False):
+  """Move the batch axis (0) of every leaf to ``axis``, or keep one copy (``ONCE``).
+
+  ``empty``: the batch had no elements and ran as one element of zeros (see
+  :func:`_one_of_zeros`): batched values are cut back to length 0.
+  """
   if axis is ONCE:
     return jax.tree.map(lambda x: x[0], value)
+  if empty:
+    value = jax.tree.map(lambda x: x[:0], value)
   if axis == 0:
     return value
   return jax.tree.map(lambda x: jnp.moveaxis(x, 0, axis), value)
+
+
+def _one_of_zeros(tree, axes):
+  """A zero-size batch as a batch of one element of zeros, so values that do not depend on the
+  batch can still be computed (as ``jax.vmap`` computes them for an empty batch)."""
+  def grow(x, axis):
+    if axis is None:
+      return x
+    shape = list(jnp.shape(x))
+    shape[axis] = 1
+    return jnp.zeros(shape, jnp.result_type(x))
+
+  return [jax.tree.map(lambda x, a=a: grow(x, a), t) for t, a in zip(tree, axes)]
 
 
 def _out_leaf_axes(out_axes, spec) -> list:
@@ -364,6 +383,19 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
   for k, c in layout.split_streams:
     state_in[k] = split_per_element(values[k], values[c], layout.size)
   stream_vars = {i for pair in layout.split_streams for i in pair}
+  if cfg.mapper is Mapper.PMAP:
+    devices = dict(cfg.pmap_kwargs).get('devices') or jax.local_devices(backend=dict(cfg.pmap_kwargs).get('backend'))
+    if layout.size > len(devices):
+      raise ValueError(
+        f'pmap: the batch has {layout.size} elements but there are only {len(devices)} devices: '
+        'pmap maps one element per device; use vmap, or shard_map/jit with shardings, or split the batch'
+      )
+  empty = layout.size == 0
+  if empty:
+    split = {k for k, _ in layout.split_streams}
+    state_in = [x if i in split else _one_of_zeros([x], [a])[0] for i, (x, a) in enumerate(zip(state_in, layout.state_axes))]
+    dyn_in = tuple(_one_of_zeros(list(dyn_in), list(layout.dyn_axes)))
+    layout = dataclasses.replace(layout, size=1)
   found: list[_Decisions] = []  # set by the first trace of ``body``; pmap traces twice
   contents = disc.snapshot()
 
@@ -404,15 +436,15 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
     disc.restore(contents)
     raise
   decided = found[0]
-  write_values(disc, decided.written, [_place(v, a) for v, a in zip(written_vals, decided.placement)])
+  write_values(disc, decided.written, [_place(v, a, empty) for v, a in zip(written_vals, decided.placement)])
   write_values(disc, [c for _, c in layout.split_streams], [advanced_count(values[c]) for _, c in layout.split_streams])
   new_vars = decided.new_vars
-  adopt_new(new_vars, decided.new_nodes, [_place(v, a) for v, a in zip(new_vals, decided.new_placement)])
+  adopt_new(new_vars, decided.new_nodes, [_place(v, a, empty) for v, a in zip(new_vals, decided.new_placement)])
   if cfg.new_states and cfg.state_tag is not None:
     for v, axis in zip(new_vars, decided.new_placement):
       if axis is not ONCE:
         v.set_metadata(tag=cfg.state_tag)
-  leaves = [_place(x, ONCE if a is None else a) for x, a in zip(out_leaves, decided.out_axes)]
+  leaves = [_place(x, ONCE if a is None else a, empty) for x, a in zip(out_leaves, decided.out_axes)]
   return decided.out_spec.rebuild(leaves, disc)
 
 
@@ -472,6 +504,9 @@ def mapped(name: str, fn: Callable | None, config: MapConfig):
     return lambda f: mapped(name, f, config)
   if not callable(fn):
     raise TypeError(f'{name} needs a callable, got {type(fn).__name__}')
+  size = config.axis_size
+  if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+    raise ValueError(f'{name}: axis_size must be a non-negative int, got axis_size={size!r}')
   return MappedFunction(dataclasses.replace(config, fn=fn))
 
 

@@ -20,6 +20,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import math
 import threading
@@ -65,6 +67,12 @@ class ProgressBar:
         raise TypeError('ProgressBar: desc must be a string or a (format string, function) pair')
     if 'total' in tqdm_kwargs:
       raise TypeError('ProgressBar: total is set by the loop; do not pass it')
+    unknown = sorted(set(tqdm_kwargs) - _tqdm_keywords())
+    if unknown:
+      raise TypeError(
+        f'ProgressBar: {", ".join(map(repr, unknown))} is not a tqdm keyword '
+        f'(known: {", ".join(sorted(_tqdm_keywords()))})'
+      )
     self.freq, self.count, self.desc = freq, count, desc
     self.tqdm_kwargs = tqdm_kwargs
     self._bars: dict[int, Any] = {}
@@ -76,6 +84,9 @@ class ProgressBar:
 
   def init(self, n: int) -> '_Runner':
     """A runner for a loop of ``n`` steps (used by the loop transforms)."""
+    for name, value in (('freq', self.freq), ('count', self.count)):
+      if value is not None and value > n:
+        raise ValueError(f'ProgressBar: {name}={value} is larger than the loop ({n} steps)')
     if self.freq is not None:
       freq = self.freq
     elif self.count is not None:
@@ -110,6 +121,14 @@ class ProgressBar:
       if bar.n >= bar.total:
         bar.close()
         del self._bars[int(run)]
+
+
+@functools.lru_cache(maxsize=1)
+def _tqdm_keywords() -> frozenset:
+  from tqdm import tqdm
+
+  params = inspect.signature(tqdm.__init__).parameters
+  return frozenset(n for n, p in params.items() if p.kind is not p.VAR_KEYWORD) - {'self', 'iterable', 'desc', 'total'}
 
 
 class _Runner:
