@@ -65,6 +65,20 @@ def variants():
   }
 
 
+def one_off_variants():
+  """Eager calls of a function made anew each call (a one-off), against a reused one."""
+  rngs = nnx.Rngs(0)
+  ens = bnx.vmap(lambda: MLP(rngs), axis_size=MEMBERS)()
+  flax_ens = nnx.merge(*nnx.split(ens))
+  x = jnp.ones((16, 32))
+  reused = bnx.vmap(lambda m, x: m(x), in_axes=(0, None))
+  return {
+    'nnx.vmap, new lambda each call': lambda: nnx.vmap(lambda m, x: m(x), in_axes=(0, None))(flax_ens, x),
+    'brainnx vmap, new lambda each call': lambda: bnx.vmap(lambda m, x: m(x), in_axes=(0, None))(ens, x),
+    'brainnx vmap, reused': lambda: reused(ens, x),
+  }
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--rounds', type=int, default=30)
@@ -73,6 +87,9 @@ def main(argv=None) -> None:
   print(f'jax {jax.__version__} on {jax.devices()[0].platform}\n')
   results = interleaved(variants(), rounds=args.rounds, calls=args.calls)
   print(table(f'{MEMBERS}-member ensemble forward, batch 16: per-call median', results, 'us', 'raw jax.jit(jax.vmap)'))
+  once = interleaved(one_off_variants(), rounds=max(5, args.rounds // 3), calls=10)
+  print()
+  print(table('Eager one-off calls (a fresh function each call) vs a reused one', once, 'us', 'nnx.vmap, new lambda each call'))
 
 
 if __name__ == '__main__':

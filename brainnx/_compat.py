@@ -10,8 +10,10 @@ Importing this module does not start a JAX backend.
 from __future__ import annotations
 
 import operator
+from typing import Any, Callable
 
 from flax.nnx import filterlib as _filterlib
+from flax.nnx import graphlib as _graphlib
 from flax.nnx import tracers as _nnx_tracers
 from jax._src import array as _jax_array
 from jax._src import core as _jax_core
@@ -31,6 +33,7 @@ __all__ = [
   'new_trace_state',
   'pytree_has_int_keys',
   'raw_value',
+  'refuse_nnx_flatten',
   'restore_entries',
   'set_node_trace_state',
   'set_raw_value',
@@ -115,6 +118,16 @@ class DataAttribute:
 
   def __repr__(self) -> str:
     return f'DataAttribute({self.key!r})'
+
+
+def refuse_nnx_flatten(cls: type, message: Callable[[Any], str]) -> None:
+  """Make flax's graph functions (``nnx.state``, ``Optimizer.update``) refuse ``cls`` objects
+  with ``ValueError(message(obj))``; ``jax.tree`` functions are unaffected."""
+
+  def refuse(node):
+    raise ValueError(message(node))
+
+  _graphlib.register_graph_node_type(cls, refuse, None, None, None, None, None)
 
 
 def is_internal_attribute(name: str) -> bool:

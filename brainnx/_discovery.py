@@ -79,7 +79,7 @@ def _library_dirs() -> tuple[str, ...]:
 
 
 # Functions defined in these files are not searched for captured Variables.
-_LIBRARY_DIRS = _library_dirs()
+LIBRARY_DIRS = _library_dirs()
 
 
 def is_graph_node(x: Any) -> bool:
@@ -269,6 +269,7 @@ class Discovery:
   node_refs: tuple[Any, ...]  # weak references to the Pytree graph nodes met on the way
   containers: tuple[Any, ...]
   streams: tuple[tuple[int, int], ...]  # (key index, count index) per RngStream
+  aliases: tuple[tuple[int, Path, int], ...]  # (index, other path, its root) of shared Variables
   guard: Guard
   signature: Hashable  # structure + static attributes + captured names, for sharing traces
 
@@ -329,6 +330,7 @@ class _Walker:
     self.variables, self.paths, self.root_of = [], [], []
     self.nodes = []
     self.streams = []
+    self.aliases = []  # (index, path, root): a Variable reached again from another root
     self.containers = []  # guarded: they hold graph nodes
     self.watched = []  # every mutable container met
     self.masks = []
@@ -386,6 +388,9 @@ class _Walker:
 
   def _variable(self, var, path, root) -> bool:
     if id(var) in self._var_ids:
+      i = self._var_ids[id(var)]
+      if i >= 0 and root != self.root_of[i]:
+        self.aliases.append((i, path, root))
       return True
     if self._known is not None and id(var) in self._known:
       self._var_ids[id(var)] = -1
@@ -562,7 +567,7 @@ class _Roots:
     if hasattr(fn, '__wrapped__'):
       self.explore(fn.__wrapped__)
     code = fn.__code__
-    library = code.co_filename.startswith(_LIBRARY_DIRS)
+    library = code.co_filename.startswith(LIBRARY_DIRS)
     for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
       try:
         obj = cell.cell_contents
@@ -621,6 +626,7 @@ def discover(fun: Callable, args: tuple, kwargs: dict) -> Discovery:
     node_refs=tuple(map(weakref.ref, walker.nodes)),
     containers=tuple(walker.watched),
     streams=tuple(walker.streams),
+    aliases=tuple(walker.aliases),
     guard=Guard(roots.cells, roots.globals, walker.containers, walker.masks),
     signature=(tuple(walker.signature), tuple(roots.captured)),
   )

@@ -46,12 +46,16 @@ def run(
   *,
   discover_from: Any = None,
   options: JitOptions = JitOptions(),
+  first_call_op_by_op: bool = False,
 ):
   """``body(*owners, *args, *config, **kwargs)``, compiled when called eagerly.
 
   ``owners`` (functions, transform objects, progress bars; ``None`` entries
   allowed) are held weakly by the cache; ``config`` is hashable and part of
   the key. Discovery starts from ``discover_from`` (default: the owners).
+  With ``first_call_op_by_op`` the first eager call runs op by op (no
+  compile: a one-off call of a fresh function costs what ``jax.vmap`` costs)
+  and the program is compiled when the same owners are called again.
   """
   kwargs = kwargs or {}
   if not eager():
@@ -59,10 +63,16 @@ def run(
   live = [x for o in owners if o is not None for x in _key_objects(o)]
   key = (body, tuple(o is None for o in owners), config)
   jitted = _PROGRAMS.get(live, key)
-  if jitted is None:
+  if jitted is None and first_call_op_by_op:
+    _PROGRAMS.set(live, key, _SEEN)
+    return body(*owners, *args, *config, **kwargs)
+  if jitted is None or jitted is _SEEN:
     jitted = _compile(body, owners, config, discover_from, options)
     _PROGRAMS.set(live, key, jitted)
   return jitted(*args, **kwargs)
+
+
+_SEEN = object()  # called once op by op: compile on the next call
 
 
 def _compile(body, owners, config, discover_from, options) -> JittedFunction:

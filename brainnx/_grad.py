@@ -26,7 +26,7 @@ from flax import nnx
 
 from brainnx import _compat
 from brainnx._arguments import ArgKind, CallArgs
-from brainnx._discovery import Discovery, discover, is_graph_node
+from brainnx._discovery import Discovery, discover, holds_graph_node, is_graph_node
 from brainnx._eager import run
 from brainnx._filters import to_filter
 from brainnx._tracing import state_step, write_values
@@ -47,7 +47,7 @@ class _Targets:
     for k in argnums or ():
       if k >= len(call_args):
         raise ValueError(f'grad: argnums={k} but the function got {len(call_args)} positional arguments')
-      if is_graph_node(call_args[k]):
+      if holds_graph_node(call_args[k]):  # a node, or a dict/list of Variables, as nnx.grad takes
         self.node_args[k] = self._node(call_args[k])
 
   def _index(self, variable) -> int:
@@ -79,7 +79,7 @@ class _Targets:
     if not matched:
       raise ValueError(f'grad: grad_states={spec!r} matches none of the Variables the function uses')
     slots = [(path, var, self._index(var)) for path, var in matched]
-    return lambda grads: nnx.from_flat_state([(path, _grad_leaf(var, grads[k])) for path, var, k in slots])
+    return lambda grads: GradsByRoot(nnx.from_flat_state([(path, _grad_leaf(var, grads[k])) for path, var, k in slots]))
 
   def check_differentiable(self, disc: Discovery) -> None:
     for v in self.variables:
@@ -95,6 +95,24 @@ class _Targets:
 
   def pack_states(self, grads):
     return self._pack_state(grads)
+
+
+class GradsByRoot(nnx.State):
+  """Gradients selected by a filter, nested by root name (``grads['model']['l1']['kernel']``).
+
+  ``grads[root]`` is an ``nnx.State`` shaped like ``nnx.state(root, nnx.Param)``, ready for
+  ``optimizer.update(root, grads[root])``; passing the whole object to an optimizer is refused
+  with a message saying so. ``jax.tree`` functions work on it as on any ``nnx.State``.
+  """
+
+
+_compat.refuse_nnx_flatten(
+  GradsByRoot,
+  lambda grads: (
+    f"these gradients are nested by root name ({', '.join(map(repr, grads.keys()))}): pass one "
+    "root's entry, e.g. optimizer.update(model, grads['model']) for grad_states=nnx.Param"
+  ),
+)
 
 
 def _grad_leaf(var, grad):
@@ -203,8 +221,9 @@ def grad(
   ``nnx.State`` of its ``nnx.Param``s, ready for
   ``nnx.Optimizer.update(model, grads)``), a tuple/list/dict of nodes (the
   same container of States), a Variable or list of Variables (arrays), or a
-  filter over the Variables the function uses (an ``nnx.State`` keyed by
-  their paths). ``argnums`` adds positional arguments (a Module argument
+  filter over the Variables the function uses (an ``nnx.State`` nested by
+  root name: ``grads['model']`` feeds ``optimizer.update(model, grads['model'])``; passing
+  the whole nest to an optimizer raises a ``ValueError`` saying so). ``argnums`` adds positional arguments (a Module argument
   gets a State of its Params, like ``nnx.grad``); with both, the result is
   ``(state_grads, arg_grads)``. Without either, ``argnums=0``. Returns
   ``grads``, or ``(grads, aux)`` / ``(grads, value)`` / ``(grads, value, aux)``

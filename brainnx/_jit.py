@@ -38,6 +38,7 @@ from brainnx import _compat
 from brainnx._arguments import ArgKind, CallArgs, StaticArgs, normalize_argnums
 from brainnx._caches import LRUCache
 from brainnx._discovery import Discovery, discover, holds_graph_node
+from brainnx._filters import to_filter
 from brainnx._tracing import TRACE_LOCK, StatefulFunction, Trace, abstract_states, adopt_new, write_values
 
 __all__ = ['jit', 'JittedFunction', 'JitOptions']
@@ -53,6 +54,7 @@ class JitOptions:
 
   statics: StaticArgs = StaticArgs()
   donate_argnums: tuple[int, ...] = ()
+  donate_states: Any = None  # a filter, or True: every written Variable
   jax_kwargs: tuple[tuple[str, Any], ...] = ()
 
 
@@ -89,8 +91,10 @@ class _PlanRef(int):
 class _Plan:
   """Everything a warm call needs, for one set of reference arguments."""
 
-  def __init__(self, disc: Discovery, call: CallArgs, compiled, on_drop: Callable):
+  def __init__(self, disc: Discovery, call: CallArgs, compiled, on_drop: Callable, donated: tuple = ()):
     self.disc, self.compiled = disc, compiled
+    self.donated = donated  # discovery indices whose buffers the program may reuse
+    self.kept = tuple(i for i in range(len(disc.variables)) if i not in set(donated))
     self.call = dataclasses.replace(call, refs=())  # held weakly below
     self.ref_refs = tuple(weakref.ref(x, on_drop) if _weakrefable(x) else _Strong(x) for x in call.refs)
     self.carrier = _PlanRef(self)
@@ -101,9 +105,23 @@ class _Plan:
     """The call with its reference arguments (alive while a call that passed them runs)."""
     return dataclasses.replace(self.call, refs=tuple(r() for r in self.ref_refs))
 
-  def state(self) -> list:
+  def state(self) -> tuple:
+    """The program's state arguments: ``(values,)``, or ``(donated values, the others)``."""
     with TRACE_LOCK:
-      return list(map(_raw_value, self.variables))
+      values = list(map(_raw_value, self.variables))
+    if not self.donated:
+      return (values,)
+    return [values[i] for i in self.donated], [values[i] for i in self.kept]
+
+  def full_state(self, state_args) -> list:
+    """Every discovered Variable's value, in discovery order, from ``state()``'s arguments."""
+    if not self.donated:
+      return state_args[0]
+    full = [None] * len(self.variables)
+    for indices, values in zip((self.donated, self.kept), state_args):
+      for i, x in zip(indices, values):
+        full[i] = x
+    return full
 
   def match(self, args: tuple, kwargs: dict):
     """The dynamic values for this call if the plan applies, else ``None``."""
@@ -157,7 +175,7 @@ def _warm_call(plan: _Plan):
   call = plan.call
   n = call.n_args
 
-  if not call.has_mixed and not call.kw_names and not call.statics:
+  if not call.has_mixed and not call.kw_names and not call.statics and not plan.donated:
     ref_pairs = tuple(zip(call.slots_of(ArgKind.REF), plan.ref_refs))
     dyn_slots = call.slots_of(ArgKind.DYN)
     simple = not ref_pairs
@@ -184,7 +202,7 @@ def _warm_call(plan: _Plan):
     dyn = plan.match(args, kwargs)
     if dyn is None:
       return _MISS
-    return _complete(plan, compiled(carrier, plan.state(), *dyn))
+    return _complete(plan, compiled(carrier, *plan.state(), *dyn))
 
   return warm_general
 
@@ -231,7 +249,7 @@ class JittedFunction:
     plan, dyn, disc = self._plan_for(args, kwargs)
     contents = disc.snapshot()
     try:
-      result = plan.compiled(plan.carrier, plan.state(), *dyn)
+      result = plan.compiled(plan.carrier, *plan.state(), *dyn)
     except BaseException:
       disc.restore(contents)  # a failed compile or run keeps no attribute the trace added
       raise
@@ -247,21 +265,37 @@ class JittedFunction:
         return plan, call.dyn, plan.disc
     disc = discover(self._fun, args, kwargs)
     _check_values(disc)
-    compiled = self._compiled_for(disc, call)
-    plan = _Plan(disc, call, compiled, _evictor(self, key))
+    donated = self._donated_states(disc, call)
+    compiled = self._compiled_for(disc, call, donated)
+    plan = _Plan(disc, call, compiled, _evictor(self, key), donated)
     self._plans.set(key, plan)
     self._warm = plan.warm
     return plan, call.dyn, disc
 
-  def _compiled_for(self, disc: Discovery, call: CallArgs):
-    key = (disc.signature, call.signature)
+  def _donated_states(self, disc: Discovery, call: CallArgs) -> tuple:
+    """Indices of the Variables whose buffers are donated: written ones matching ``donate_states``.
+
+    Which Variables a call writes is read off its trace (cached: the compiled program's own
+    trace reuses it, so Python still runs once).
+    """
+    spec = self._options.donate_states
+    if spec is None or spec is False:
+      return ()
+    values = [_compat.raw_value(v) for v in disc.variables]
+    written = self.stateful_fun.trace_for(disc, call, values, call.dyn).written
+    predicate = (lambda path, var: True) if spec is True else to_filter(spec)
+    return tuple(sorted(i for i in written if predicate(disc.paths[i], disc.variables[i])))
+
+  def _compiled_for(self, disc: Discovery, call: CallArgs, donated: tuple = ()):
+    key = (disc.signature, call.signature, donated)
     with self._lock:
       compiled = self._compiled.get(key)
       if compiled is None:
+        n_state = 2 if donated else 1
         compiled = jax.jit(
-          functools.partial(_body, self.stateful_fun),
+          functools.partial(_body, self.stateful_fun, n_state),
           static_argnums=0,
-          donate_argnums=_donated_positions(call, self._donate_argnums),
+          donate_argnums=(1,) * bool(donated) + _donated_positions(call, self._donate_argnums, n_state),
           **dict(self._options.jax_kwargs),
         )
         self._compiled.set(key, compiled)
@@ -285,7 +319,7 @@ class JittedFunction:
     """The lowered program for these arguments; ``.compile()`` gives a callable that takes
     the same arguments as the function and writes Variables back."""
     plan, dyn, _ = self._plan_for(args, kwargs)
-    return Lowered(self, plan.compiled.lower(plan.carrier, plan.state(), *dyn))
+    return Lowered(self, plan.compiled.lower(plan.carrier, *plan.state(), *dyn))
 
   def clear_cache(self) -> None:
     """Forget plans, compiled programs and traces (the next call retraces)."""
@@ -338,27 +372,28 @@ class Compiled:
 
   def __call__(self, *args, **kwargs):
     plan, dyn, _ = self._jitted._plan_for(args, kwargs)
-    return _complete(plan, self._compiled(plan.state(), *dyn))  # a Compiled takes no static arguments
+    return _complete(plan, self._compiled(*plan.state(), *dyn))  # a Compiled takes no static arguments
 
   def __getattr__(self, name):
     return getattr(self._compiled, name)
 
 
-def _donated_positions(call: CallArgs, donate_argnums) -> tuple[int, ...]:
-  """Positions in ``(carrier, state, *dyn)`` of the donated dynamic arguments."""
+def _donated_positions(call: CallArgs, donate_argnums, n_state: int = 1) -> tuple[int, ...]:
+  """Positions in ``(carrier, *state, *dyn)`` of the donated dynamic arguments."""
   positions, k = [], 0
   for slot, kind in enumerate(call.kinds):
     if kind is ArgKind.DYN:
       if slot in donate_argnums:
-        positions.append(2 + k)
+        positions.append(1 + n_state + k)
       k += 1
     elif kind is ArgKind.MIXED:
       k += sum(1 for s, _, mask in call.mixed if s == slot for m in mask if not m)
   return tuple(positions)
 
 
-def _body(sf: StatefulFunction, carrier: _PlanRef, state: list, *dyn):
+def _body(sf: StatefulFunction, n_state: int, carrier: _PlanRef, *args):
   plan: _Plan = carrier.plan()
+  state, dyn = plan.full_state(args[:n_state]), args[n_state:]
   trace: Trace = sf.trace_for(plan.disc, plan.live_call(), state, dyn)
   written, new, out_leaves = trace.run([state[i] for i in trace.states], jax.tree.leaves(dyn))
   # A dict keyed by Variable index carries the written set in the output's
@@ -421,6 +456,7 @@ def jit(
   static_argnums: int | Sequence[int] = (),
   static_argnames: str | Sequence[str] = (),
   donate_argnums: int | Sequence[int] = (),
+  donate_states: Any = None,
   **jax_jit_kwargs: Any,
 ):
   """Compile ``fun``, reading and writing the Variables it can reach.
@@ -434,6 +470,13 @@ def jit(
   covers those arguments passed by position and ``static_argnums`` those
   passed by keyword, as in ``jax.jit``. Other keyword arguments go to
   ``jax.jit``.
+
+  ``donate_states`` (a filter, or ``True`` for every written Variable) donates the
+  buffers of the matched Variables that the call writes, so XLA updates them in place
+  (parameters and optimizer state of a training step), as ``jax.jit(donate_argnums=...)``
+  does for the pure equivalent. Values are identical; an array read from such a Variable
+  before the call (``old = v[...]``) is deleted by it, and using it afterwards raises JAX's
+  deleted-buffer ``RuntimeError``: read the Variable again instead.
 
   The returned function has ``.lower(*args)`` (whose ``.compile()`` is
   callable with the same arguments and writes back), ``.clear_cache()`` and
@@ -459,6 +502,7 @@ def jit(
       static_argnums=static_argnums,
       static_argnames=static_argnames,
       donate_argnums=donate_argnums,
+      donate_states=donate_states,
       **jax_jit_kwargs,
     )
   if not callable(fun):
@@ -466,6 +510,7 @@ def jit(
   options = JitOptions(
     statics=StaticArgs.resolve(fun, static_argnums, static_argnames),
     donate_argnums=normalize_argnums(donate_argnums, 'donate_argnums'),
+    donate_states=donate_states,
     jax_kwargs=tuple(jax_jit_kwargs.items()),
   )
   return JittedFunction(fun, options)

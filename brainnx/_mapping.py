@@ -26,15 +26,17 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import sys
 import warnings
 from typing import Any, Callable, Hashable
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from brainnx import _compat
 from brainnx._arguments import ArgKind, CallArgs, StaticArgs
-from brainnx._discovery import Discovery, RootKind, discover, is_graph_node, key_name
+from brainnx._discovery import LIBRARY_DIRS, Discovery, RootKind, discover, is_graph_node, key_name
 from brainnx._eager import run
 from brainnx._filters import AxisRules, BatchAxisError
 from brainnx._jit import JitOptions
@@ -118,7 +120,8 @@ class MappedFunction:
     return mapped_call(self.config, args, kwargs)
 
   def __call__(self, *args, **kwargs):
-    return run(MappedFunction._traced, (self,), (), args, kwargs, options=self._options)
+    one_off = self.config.mapper is Mapper.VMAP
+    return run(MappedFunction._traced, (self,), (), args, kwargs, options=self._options, first_call_op_by_op=one_off)
 
   def __repr__(self) -> str:
     return f'brainnx.{self.config.name}({getattr(self.config.fn, "__name__", self.config.fn)!r})'
@@ -184,21 +187,32 @@ class _Layout:
 def _layout(cfg: MapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs: dict) -> _Layout:
   arg_axes = _positional_axes(cfg.in_axes, len(args))
   values = [_compat.raw_value(v) for v in disc.variables]
+
+  def in_axis(path, var, root_index):
+    hit, axis = cfg.state_in.axis_of(path, var)
+    if hit:
+      return True, axis, 'state_in_axes'
+    root = disc.roots[root_index]
+    if root.kind is RootKind.ARG:
+      return False, _axis_at(arg_axes[root.name], path[1:], f'argument {root.name}'), f'in_axes of argument {root.name}'
+    if root.kind is RootKind.KWARG:
+      return False, 0, f'keyword argument {root.name!r}'
+    return False, None, 'broadcast'
+
   axes, sources, matched = [], [], []
   for i, (path, var) in enumerate(zip(disc.paths, disc.variables)):
-    hit, axis = cfg.state_in.axis_of(path, var)
-    source = 'state_in_axes'
-    if not hit:
-      root = disc.roots[disc.root_of[i]]
-      if root.kind is RootKind.ARG:
-        axis, source = _axis_at(arg_axes[root.name], path[1:], f'argument {root.name}'), f'in_axes of argument {root.name}'
-      elif root.kind is RootKind.KWARG:
-        axis, source = 0, f'keyword argument {root.name!r}'
-      else:
-        axis = None
+    hit, axis, source = in_axis(path, var, disc.root_of[i])
     axes.append(axis)
     sources.append(source)
     matched.append(hit)
+  for i, path, root in disc.aliases:  # one Variable, two ways in: they must agree
+    _, axis, source = in_axis(path, disc.variables[i], root)
+    if axis != axes[i]:
+      raise BatchAxisError(
+        f'{cfg.name}: {disc.describe(i)} is also reached as {path!r}, with another batch axis: '
+        f'{axes[i]} ({sources[i]}) there, {axis} ({source}) here. One Variable has one batch '
+        'axis: pass it once, give both arguments the same in_axes, or set its axis with state_in_axes'
+      )
 
   split = []
   for k, c in disc.streams:
@@ -303,17 +317,36 @@ def _decide(cfg: MapConfig, disc: Discovery, i: int, in_axis, batched: bool):
     return in_axis
   if not batched:
     return ONCE
-  message = (
-    f'{cfg.name}: {disc.describe(i)} is broadcast into the mapped call (no batch axis) but its '
-    'new value differs per batch element. Say where the batch axis goes: '
-    'state_out_axes={0: <its filter>} (or map it in with state_in_axes), or pass '
-    "unexpected_out_state_mapping='warn' or 'ignore' to stack it on axis 0"
-  )
+  what = f'{cfg.name}: {disc.describe(i)} is broadcast into the mapped call (no batch axis) but its new value differs per batch element'
+  hint = ''
+  if isinstance(var, nnx.BatchStat):
+    hint = (
+      '. If it is a running statistic of a normalisation layer (nnx.BatchNorm) mapped over examples, '
+      "give the layer axis_name=<the vmap's axis_name> (and the vmap that axis_name) so the "
+      'statistics are averaged over the batch'
+    )
   if cfg.policy is Policy.RAISE:
-    raise BatchAxisError(message)
+    raise BatchAxisError(
+      f'{what}. Say where the batch axis goes: state_out_axes={{0: <its filter>}} (or map it in '
+      "with state_in_axes), or pass unexpected_out_state_mapping='warn' or 'ignore' to stack it "
+      f'on axis 0{hint}'
+    )
   if cfg.policy is Policy.WARN:
-    warnings.warn(message, UserWarning, stacklevel=4)
+    warnings.warn(
+      f'{what}: it is stacked on axis 0. Declare state_out_axes={{0: <its filter>}} to say so '
+      f'and silence this warning{hint}',
+      UserWarning,
+      stacklevel=_user_stacklevel(),
+    )
   return 0
+
+
+def _user_stacklevel() -> int:
+  """The ``warnings.warn`` stacklevel of the first frame outside brainnx, jax and flax."""
+  frame, level = sys._getframe(1), 1
+  while frame is not None and frame.f_code.co_filename.startswith(LIBRARY_DIRS):
+    frame, level = frame.f_back, level + 1
+  return level
 
 
 def _place(value, axis, empty: bool = False):
@@ -344,17 +377,46 @@ def _one_of_zeros(tree, axes):
   return [jax.tree.map(lambda x, a=a: grow(x, a), t) for t, a in zip(tree, axes)]
 
 
-def _out_leaf_axes(out_axes, spec) -> list:
+def _out_leaf_axes(cfg: MapConfig, spec) -> list:
+  """The out-axis of every output leaf; a Module created inside takes ``out_axes``, except
+  Variables of it that ``state_out_axes`` places (``None``: one shared copy)."""
   markers = jax.tree.unflatten(spec.treedef, list(range(spec.treedef.num_leaves)))
   flat = jax.tree_util.tree_flatten_with_path(markers)[0]
   axes = []
   for (path, _), slot in zip(flat, spec.slots):
-    axis = _axis_at(out_axes, tuple(key_name(k) for k in path), 'out_axes')
+    axis = _axis_at(cfg.out_axes, tuple(key_name(k) for k in path), 'out_axes')
     if slot[0] == 'leaf':
       axes.append(axis)
     elif slot[0] == 'new':
-      axes.extend([axis] * slot[3])
+      for var_path, var in slot[4]:
+        hit, declared = cfg.state_out.axis_of(var_path, var)
+        axes.append(declared if hit else axis)
   return axes
+
+
+def _warn_identical_members(cfg: MapConfig, spec, leaves: list, axes: list, batched) -> None:
+  """Warn when no Param of a Module created inside depends on the batch: every member of the
+  stack would be the same (an ``nnx.Rngs`` made inside the mapped function)."""
+  it = iter(zip(leaves, axes))
+  for slot in spec.slots:
+    if slot[0] == 'leaf':
+      next(it)
+    elif slot[0] == 'new':
+      params = []
+      for (path, var), (leaf, axis) in zip(slot[4], [next(it) for _ in slot[4]]):
+        if isinstance(var, nnx.Param) and axis is not None:
+          params.append((path, var, batched(leaf)))
+      if params and not any(b for _, _, b in params):
+        path, var, _ = params[0]
+        warnings.warn(
+          f'{cfg.name}: no Param of the {slot[1].type.__name__ if hasattr(slot[1], "type") else "Module"} '
+          f'created inside depends on the batch, so all members are identical (first: '
+          f'{type(var).__name__} at {tuple(path)!r}). Its nnx.Rngs was probably created inside the '
+          'mapped function: create it outside (rngs = nnx.Rngs(0); vmap(lambda: Model(rngs=rngs), '
+          'axis_size=n)()), or keep one shared copy with state_out_axes={None: nnx.Param}',
+          UserWarning,
+          stacklevel=_user_stacklevel(),
+        )
 
 
 @dataclasses.dataclass
@@ -409,10 +471,11 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
         raise RuntimeError(f'{cfg.name}: the function wrote different Variables on its second trace')
     else:
       batched = lambda x: any(_compat.is_batched_here(leaf, trace) for leaf in jax.tree.leaves(x))  # noqa: E731
-      out_axes = _out_leaf_axes(cfg.out_axes, out_spec)
+      out_axes = _out_leaf_axes(cfg, out_spec)
       for leaf, axis in zip(out_leaves, out_axes):
         if axis is None and batched(leaf):
           raise ValueError(f'{cfg.name}: an output has out_axes=None but depends on the batch')
+      _warn_identical_members(cfg, out_spec, out_leaves, out_axes, batched)
       found.append(_Decisions(
         new_vars=step.new_vars,
         new_nodes=step.new_nodes,

@@ -22,11 +22,15 @@ import dataclasses
 from typing import Any, Sequence
 
 import jax
+import numpy as np
 from flax import nnx
 
 from brainnx._discovery import Discovery, is_graph_node, is_reference
 
 __all__ = ['OutSpec', 'split_output']
+
+# Output leaves that travel as arrays; anything else is returned as a static Python value.
+_TRACEABLE = (jax.Array, np.ndarray, np.generic, int, float, complex, bool, jax.core.Tracer, jax.ShapeDtypeStruct)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -34,7 +38,9 @@ class OutSpec:
   """How to rebuild a return value from its array leaves."""
 
   treedef: Any  # of the return value, graph nodes kept as leaves
-  slots: tuple[tuple, ...]  # per leaf: ('leaf',) | ('var', i) | ('node', i) | ('obj', x) | ('new', graphdef, treedef, n)
+  # per leaf: ('leaf',) | ('var', i) | ('node', i) | ('obj', x) | ('new', graphdef, treedef, n, leaf_vars)
+  # where ``leaf_vars`` gives ``(path, Variable)`` for each of a new node's ``n`` leaves
+  slots: tuple[tuple, ...]
   has_nodes: bool
 
   def rebuild(self, leaves: Sequence, disc: Discovery) -> Any:
@@ -53,10 +59,16 @@ class OutSpec:
       elif kind == 'obj':
         out.append(slot[1])
       else:
-        _, graphdef, state_def, n = slot
+        _, graphdef, state_def, n, _ = slot
         state = jax.tree.unflatten(state_def, [next(it) for _ in range(n)])
         out.append(nnx.merge(graphdef, state))
     return jax.tree.unflatten(self.treedef, out)
+
+
+def _stand_in(v):
+  """``v`` with shapes for values: filters can match it, and it holds no tracer."""
+  shapes = lambda x: jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), x)  # noqa: E731
+  return v.replace(shapes(v.get_value())) if isinstance(v, nnx.Variable) else shapes(v)
 
 
 def split_output(out: Any, disc: Discovery, attached: Sequence = ()) -> tuple[OutSpec, list]:
@@ -66,8 +78,12 @@ def split_output(out: Any, disc: Discovery, attached: Sequence = ()) -> tuple[Ou
   slots, leaves, has_nodes = [], [], False
   for x in flat:
     if not is_reference(x):
-      slots.append(('leaf',))
-      leaves.append(x)
+      if isinstance(x, _TRACEABLE):
+        slots.append(('leaf',))
+        leaves.append(x)
+      else:  # a string or other Python object: static, it leaves the trace as it is
+        slots.append(('obj', x))
+        has_nodes = True
       continue
     has_nodes = True
     if not is_graph_node(x):  # a plain object holding graph nodes: returned as it is
@@ -81,6 +97,10 @@ def split_output(out: Any, disc: Discovery, attached: Sequence = ()) -> tuple[Ou
     else:
       graphdef, state = nnx.split(x)
       state_leaves, state_def = jax.tree.flatten(state)
-      slots.append(('new', graphdef, state_def, len(state_leaves)))
+      flat_state = nnx.to_flat_state(state) if isinstance(state, nnx.State) else [((), state)]
+      leaf_vars = tuple(
+        (path, _stand_in(v)) for path, v in flat_state for _ in jax.tree.leaves(v.get_value() if isinstance(v, nnx.Variable) else v)
+      )
+      slots.append(('new', graphdef, state_def, len(state_leaves), leaf_vars))
       leaves.extend(state_leaves)
   return OutSpec(treedef, tuple(slots), has_nodes), leaves

@@ -369,8 +369,10 @@ def test_jit_of_vmap_traces_once_and_eager_replays():
   jf(X), jf(X)
   assert len(runs) == 1
   eager = bnx.vmap(fwd, in_axes=None, state_in_axes={0: nnx.Param})
-  eager(X), eager(X), eager(X + 1)
+  eager(X)  # a first eager call runs op by op, as jax.vmap does (no compile for one-offs)
   assert len(runs) == 2
+  eager(X), eager(X + 1), eager(X)  # called again: compiled once, then replayed
+  assert len(runs) == 3
 
 
 def test_spmd_axis_name_is_passed_through():

@@ -1,0 +1,62 @@
+"""``jit(donate_states=...)``: written Variables' buffers are reused, as with ``donate_argnums``.
+
+Oracle: the pure training step under ``jax.jit(donate_argnums=0)`` on ``nnx.split`` state.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import brainnx as bnx
+from helpers import MLP
+
+X = jnp.ones((8, 16))
+
+
+def make():
+  model = MLP(16, 64, 16, rngs=nnx.Rngs(0))
+  return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+
+def step(model, opt, x):
+  grads = bnx.grad(lambda x: (model(x) ** 2).mean(), grad_states=model)(x)
+  opt.update(model, grads)
+
+
+def test_donated_step_aliases_like_the_pure_step_and_gives_the_same_values():
+  results = {}
+  for donate in (None, True, nnx.Param):
+    model, opt = make()
+    f = bnx.jit(step, donate_states=donate)
+    aliased = f.lower(model, opt, X).compile().memory_analysis().alias_size_in_bytes
+    for _ in range(3):
+      f(model, opt, X)
+    results[donate] = aliased, jax.tree.map(np.asarray, nnx.state(model))
+
+  model, opt = make()
+  graphdef, state = nnx.split((model, opt))
+
+  def pure(state, x):
+    m, o = nnx.merge(graphdef, state)
+    o.update(m, nnx.grad(lambda m: (m(x) ** 2).mean())(m))
+    return nnx.state((m, o))
+
+  pure_alias = jax.jit(pure, donate_argnums=0).lower(state, X).compile().memory_analysis().alias_size_in_bytes
+  assert results[None][0] == 0
+  assert results[True][0] == pure_alias > 0
+  param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert results[nnx.Param][0] == param_bytes  # only the Params: the optimizer state is copied
+  for donate in (True, nnx.Param):
+    jax.tree.map(np.testing.assert_array_equal, results[donate][1], results[None][1])
+
+
+def test_an_old_array_of_a_donated_variable_is_deleted():
+  model, opt = make()
+  old = model.l1.kernel[...]
+  bnx.jit(step, donate_states=True)(model, opt, X)
+  with pytest.raises(RuntimeError, match='deleted'):
+    old + 1
+  assert np.isfinite(np.asarray(model.l1.kernel[...])).all()  # the Variable holds the new buffer
