@@ -561,6 +561,17 @@ def _pmap_of(cfg: MapConfig, layout: _Layout, body):
   )
 
 
+def map_config(*, state_in_axes, state_out_axes, unexpected_out_state_mapping, **fields) -> MapConfig:
+  """A ``MapConfig`` from a mapping transform's public keywords (rules and policy normalised)."""
+  return MapConfig(
+    fn=None,
+    state_in=AxisRules(state_in_axes, 'state_in_axes'),
+    state_out=AxisRules(state_out_axes, 'state_out_axes'),
+    policy=Policy.of(unexpected_out_state_mapping),
+    **fields,
+  )
+
+
 def mapped(name: str, fn: Callable | None, config: MapConfig):
   """A ``MappedFunction`` of ``fn`` with ``config``, or a decorator when ``fn`` is None."""
   if fn is None:
@@ -612,16 +623,15 @@ def vmap(
     >>> ensemble.kernel.shape
     (4, 2, 3)
   """
-  config = MapConfig(
-    fn=None,
+  config = map_config(
     in_axes=in_axes,
     out_axes=out_axes,
     axis_name=axis_name,
     axis_size=axis_size,
     spmd_axis_name=spmd_axis_name,
-    state_in=AxisRules(state_in_axes, 'state_in_axes'),
-    state_out=AxisRules(state_out_axes, 'state_out_axes'),
-    policy=Policy.of(unexpected_out_state_mapping),
+    state_in_axes=state_in_axes,
+    state_out_axes=state_out_axes,
+    unexpected_out_state_mapping=unexpected_out_state_mapping,
   )
   return mapped('vmap', fn, config)
 
@@ -660,16 +670,15 @@ def vmap_new_states(
   """
   if isinstance(axis_size, int) and axis_size <= 0:
     raise ValueError(f'vmap_new_states: axis_size must be positive, got {axis_size}')
-  config = MapConfig(
-    fn=None,
+  config = map_config(
     in_axes=in_axes,
     out_axes=out_axes,
     axis_name=axis_name,
     axis_size=axis_size,
     spmd_axis_name=spmd_axis_name,
-    state_in=AxisRules(state_in_axes, 'state_in_axes'),
-    state_out=AxisRules(state_out_axes, 'state_out_axes'),
-    policy=Policy.of(unexpected_out_state_mapping),
+    state_in_axes=state_in_axes,
+    state_out_axes=state_out_axes,
+    unexpected_out_state_mapping=unexpected_out_state_mapping,
     new_states=True,
     state_tag=state_tag,
     state_to_exclude=AxisRules(state_to_exclude, 'state_to_exclude') if state_to_exclude is not None else None,

@@ -25,8 +25,7 @@ from __future__ import annotations
 from typing import Any, Callable, Hashable
 
 from brainnx._arguments import StaticArgs, normalize_argnums
-from brainnx._filters import AxisRules
-from brainnx._mapping import MapConfig, Mapper, Policy, mapped
+from brainnx._mapping import Mapper, map_config, mapped
 
 __all__ = ['pmap']
 
@@ -62,15 +61,14 @@ def pmap(
     (True, 1)
   """
   statics = normalize_argnums(static_broadcasted_argnums, 'static_broadcasted_argnums')
-  config = MapConfig(
-    fn=None,
+  config = map_config(
     in_axes=in_axes,
     out_axes=out_axes,
     axis_name=axis_name,
     axis_size=axis_size,
-    state_in=AxisRules(state_in_axes, 'state_in_axes'),
-    state_out=AxisRules(state_out_axes, 'state_out_axes'),
-    policy=Policy.of(unexpected_out_state_mapping),
+    state_in_axes=state_in_axes,
+    state_out_axes=state_out_axes,
+    unexpected_out_state_mapping=unexpected_out_state_mapping,
     mapper=Mapper.PMAP,
     pmap_kwargs=tuple((k, v) for k, v in (('devices', devices), ('backend', backend)) if v is not None),
     statics=StaticArgs(argnums=statics),
