@@ -25,12 +25,13 @@ import jax
 import numpy as np
 from flax import nnx
 
+from brainnx import _compat
 from brainnx._discovery import Discovery, is_graph_node, is_reference
 
 __all__ = ['OutSpec', 'split_output']
 
 # Output leaves that travel as arrays; anything else is returned as a static Python value.
-_TRACEABLE = (jax.Array, np.ndarray, np.generic, int, float, complex, bool, jax.core.Tracer, jax.ShapeDtypeStruct)
+_TRACEABLE = (jax.Array, np.ndarray, np.generic, int, float, complex, bool, _compat.Tracer, jax.ShapeDtypeStruct)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
