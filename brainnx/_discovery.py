@@ -530,7 +530,12 @@ class _Roots:
       self.explore(obj)
       return True
     self.roots.append(Root(name, kind))
-    return self.walker.walk(obj, (name,), len(self.roots) - 1)
+    found = self.walker.walk(obj, (name,), len(self.roots) - 1)
+    if isinstance(obj, (list, tuple, dict)):  # functions held in a container (a list of branches)
+      for item in obj.values() if isinstance(obj, dict) else obj:
+        if _is_callable_to_explore(item):
+          self.explore(item)
+    return found
 
   def _captured(self, name, kind: RootKind, obj) -> None:
     if not self.add(name, kind, obj) and not isinstance(obj, types.ModuleType):

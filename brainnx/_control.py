@@ -1,0 +1,160 @@
+"""Stateful control flow: ``cond``, ``switch`` and ``ifelse``.
+
+Every branch is traced with the Variables the branches reach (the engine's state step, as
+in a loop body); the Variables any branch writes are outputs of the whole construct, and a
+branch that does not write one passes its value through. RNG streams therefore advance only
+where the branch that draws from them ran. Under ``vmap`` with a batched predicate JAX runs
+every branch and selects, and the written values follow the mapping's out-axis rules.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> import brainnx as bnx
+  >>> hits = nnx.Variable(jnp.array(0))
+  >>> def hit(x):
+  ...   hits[...] += 1
+  ...   return x * 2
+  >>> float(bnx.cond(True, hit, lambda x: x, 3.0)), int(hits[...])
+  (6.0, 1)
+  >>> float(bnx.cond(False, hit, lambda x: x, 3.0)), int(hits[...])
+  (3.0, 1)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from brainnx._discovery import discover
+from brainnx._eager import run
+from brainnx._loops import _Body, _dyn_leaves, _strong
+from brainnx._tracing import write_values
+
+__all__ = ['cond', 'switch', 'ifelse']
+
+
+def cond(pred, true_fun: Callable, false_fun: Callable, *operands) -> Any:
+  """``jax.lax.cond`` for branches that read and write Variables.
+
+  Args:
+    pred: a boolean scalar (Python or array; batched under ``vmap``).
+    true_fun, false_fun: the branches, called as ``branch(*operands)``; both must return
+      the same structure, shapes and dtypes.
+    *operands: the branches' arguments.
+
+  Returns:
+    The output of the branch taken.
+
+  Raises:
+    TypeError: a branch is not callable.
+    ValueError: the branches return different structures (naming the branch), or one
+      creates Variables.
+
+  Example:
+    >>> import brainnx as bnx
+    >>> float(bnx.cond(2 > 1, lambda x: x + 1, lambda x: x - 1, 1.0))
+    2.0
+  """
+  _check_branches((true_fun, false_fun), 'cond')
+  index = jnp.asarray(pred).astype(jnp.int32)
+  return run(_switch_impl, (false_fun, true_fun), ('cond', 2), (index, *operands))
+
+
+def switch(index, branches: Sequence[Callable], *operands) -> Any:
+  """``jax.lax.switch`` for branches that read and write Variables; ``index`` is clamped
+  to ``[0, len(branches) - 1]`` as in ``jax.lax.switch``.
+
+  Args:
+    index: an integer scalar (batched under ``vmap``).
+    branches: a non-empty sequence of callables, each called as ``branch(*operands)``.
+    *operands: the branches' arguments.
+
+  Returns:
+    The output of the selected branch.
+
+  Raises:
+    TypeError: a branch is not callable.
+    ValueError: no branches, branches returning different structures (naming the branch),
+      or a branch creating Variables.
+
+  Example:
+    >>> import brainnx as bnx
+    >>> [float(bnx.switch(i, [lambda x: x, lambda x: 2 * x], 3.0)) for i in (0, 1, 5)]
+    [3.0, 6.0, 6.0]
+  """
+  branches = tuple(branches)
+  _check_branches(branches, 'switch')
+  return run(_switch_impl, branches, ('switch', len(branches)), (index, *operands))
+
+
+def ifelse(conditions: Sequence, branches: Sequence[Callable], *operands) -> Any:
+  """Run the branch of the first true condition; when none is true, the last branch.
+
+  Args:
+    conditions: boolean scalars, as many as ``branches``.
+    branches: callables, each called as ``branch(*operands)``.
+    *operands: the branches' arguments.
+
+  Returns:
+    The output of the branch that ran.
+
+  Raises:
+    TypeError: a branch is not callable.
+    ValueError: ``len(conditions) != len(branches)``, or as :func:`switch`.
+
+  Example:
+    >>> import brainnx as bnx
+    >>> x = 5.0
+    >>> float(bnx.ifelse([x < 0, x < 10, True], [lambda: -1.0, lambda: 1.0, lambda: 2.0]))
+    1.0
+  """
+  branches = tuple(branches)
+  _check_branches(branches, 'ifelse')
+  conditions = list(conditions)
+  if len(conditions) != len(branches):
+    raise ValueError(f'ifelse: {len(conditions)} conditions for {len(branches)} branches: give one per branch')
+  flags = jnp.stack([jnp.asarray(c, bool) for c in conditions])
+  index = jnp.where(jnp.any(flags), jnp.argmax(flags), len(branches) - 1).astype(jnp.int32)
+  return run(_switch_impl, branches, ('ifelse', len(branches)), (index, *operands))
+
+
+def _check_branches(branches: tuple, name: str) -> None:
+  if not branches:
+    raise ValueError(f'{name}: needs at least one branch')
+  for k, b in enumerate(branches):
+    if not callable(b):
+      raise TypeError(f'{name}: branch {k} is not callable (got {type(b).__name__})')
+
+
+def _switch_impl(*args):
+  """``args``: the ``n`` branches, the index, the operands, then the construct's name and ``n``."""
+  name, n = args[-2:]
+  branches, index, operands = args[:n], args[n], args[n + 1 : -2]
+  disc = discover(branches, operands, {})
+  bodies = [_Body(b, operands, name, disc) for b in branches]
+  shapes = [jax.tree.map(lambda s: (s.shape, s.dtype), b.trace.out_shapes) for b in bodies]
+  for k, s in enumerate(shapes[1:], start=1):
+    if jax.tree.structure(s) != jax.tree.structure(shapes[0]) or jax.tree.leaves(s) != jax.tree.leaves(shapes[0]):
+      raise ValueError(
+        f'{name}: branch {k} returns {jax.tree.unflatten(jax.tree.structure(s), jax.tree.leaves(s))} but '
+        f'branch 0 returns {jax.tree.unflatten(jax.tree.structure(shapes[0]), jax.tree.leaves(shapes[0]))}: '
+        'every branch must return the same structure, shapes and dtypes'
+      )
+  written = sorted({i for b in bodies for i in b.written})
+  start = [jax.tree.map(_strong, bodies[0].values[i]) for i in written]
+  dyn_leaves = _dyn_leaves(operands)
+
+  def branch_fn(body: _Body):
+    def run_branch(values, leaves):
+      by_index = dict(zip(written, values))
+      new, out = body.run([by_index[i] for i in body.written], leaves)
+      by_index.update(zip(body.written, new))
+      return [by_index[i] for i in written], out
+
+    return run_branch
+
+  new_values, out_leaves = jax.lax.switch(index, [branch_fn(b) for b in bodies], start, dyn_leaves)
+  write_values(disc, written, new_values)
+  return bodies[0].trace.out_spec.rebuild(list(out_leaves), disc)

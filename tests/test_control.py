@@ -1,0 +1,151 @@
+"""cond / switch / ifelse against ``jax.lax.cond`` / ``jax.lax.switch`` on the pure state."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import brainnx as bnx
+from helpers import assert_same_values, values_of
+
+
+class Counter(nnx.Module):
+  def __init__(self):
+    self.total = nnx.BatchStat(jnp.zeros(2))
+    self.hits = nnx.Variable(jnp.array(0))
+    self.rngs = nnx.Rngs(0)
+
+
+def _pure_branches(k):
+  """Branch ``k`` on pure arrays: (total, hits) -> (total, hits, out)."""
+  def add(total, hits, x):
+    return total + x, hits + 1, x.sum()
+
+  def scale(total, hits, x):
+    return total * 2.0, hits, x.mean()
+
+  def keep(total, hits, x):
+    return total, hits, jnp.float32(0.0)
+
+  return [add, scale, keep][k]
+
+
+def _stateful_branches(c):
+  def add(x):
+    c.total[...] += x
+    c.hits[...] += 1
+    return x.sum()
+
+  def scale(x):
+    c.total[...] = c.total[...] * 2.0
+    return x.mean()
+
+  def keep(x):
+    return jnp.float32(0.0)
+
+  return [add, scale, keep]
+
+
+@pytest.mark.parametrize('index', [0, 1, 2, -3, 7])
+def test_switch_matches_lax_switch_and_clamps(index):
+  c = Counter()
+  c.total[...] = jnp.array([1.0, 2.0])
+  x = jnp.array([0.5, 1.5])
+  oracle = jax.lax.switch(index, [_pure_branches(k) for k in range(3)], c.total[...], c.hits[...], x)
+  out = bnx.switch(index, _stateful_branches(c), x)
+  np.testing.assert_allclose(out, oracle[2])
+  np.testing.assert_allclose(c.total[...], oracle[0])
+  assert int(c.hits[...]) == int(oracle[1])
+
+
+@pytest.mark.parametrize('pred', [True, False])
+def test_cond_inside_jit_and_the_rng_advances_only_where_drawn(pred):
+  c = Counter()
+  count0 = int(c.rngs.default.count[...])
+
+  @bnx.jit
+  def f(p, x):
+    return bnx.cond(p, lambda x: x + c.rngs.normal(()), lambda x: x * 0.0, x)
+
+  out = f(pred, jnp.float32(1.0))
+  assert int(c.rngs.default.count[...]) == count0 + (1 if pred else 0)
+  if not pred:
+    assert float(out) == 0.0
+
+
+def test_ifelse_first_true_wins_and_last_runs_when_none_is():
+  hits = nnx.Variable(jnp.zeros(3, jnp.int32))
+
+  def branch(k):
+    def f():
+      hits[...] = hits[...].at[k].add(1)
+      return jnp.int32(k)
+
+    return f
+
+  branches = [branch(k) for k in range(3)]
+  assert int(bnx.ifelse([False, True, True], branches)) == 1
+  assert int(bnx.ifelse([False, False, False], branches)) == 2
+  assert hits[...].tolist() == [0, 1, 1]
+  with pytest.raises(ValueError, match='2 conditions for 3 branches'):
+    bnx.ifelse([True, False], branches)
+
+
+def test_batched_predicate_under_vmap_follows_out_axis_rules():
+  c = Counter()
+  preds = jnp.array([True, False, True])
+  x = jnp.ones(2)
+  branches = _stateful_branches(c)[:2]
+  # a write that differs per element needs a declared axis, as every mapped write
+  with pytest.raises(bnx.BatchAxisError):
+    bnx.vmap(lambda p: bnx.cond(p, branches[0], branches[1], x))(preds)
+  total, hits = c.total[...], c.hits[...]
+  outs = bnx.vmap(lambda p: bnx.cond(p, branches[0], branches[1], x), state_out_axes={0: nnx.Not(nnx.RngState)})(preds)
+  oracle = jax.vmap(lambda p: jax.lax.cond(p, _pure_branches(0), _pure_branches(1), total, hits, x))(preds)
+  np.testing.assert_allclose(outs, oracle[2])
+  np.testing.assert_allclose(c.total[...], oracle[0])  # stacked: one row per element
+  np.testing.assert_array_equal(c.hits[...], oracle[1])
+
+
+def test_grad_through_cond_equals_jax():
+  w = nnx.Param(jnp.array(2.0))
+
+  def loss(x):
+    return bnx.cond(x > 0, lambda x: (w[...] * x) ** 2, lambda x: w[...] * x, x)
+
+  for x in (3.0, -3.0):
+    g = bnx.grad(loss, grad_states=w)(jnp.float32(x))
+    ref = jax.grad(lambda w: jax.lax.cond(x > 0, lambda x: (w * x) ** 2, lambda x: w * x, x))(2.0)
+    np.testing.assert_allclose(g, ref)
+
+
+def test_cond_inside_scan_carries_the_written_state():
+  acc = nnx.Variable(jnp.float32(0.0))
+
+  def step(c, x):
+    bnx.cond(x > 1, lambda: acc.set_value(acc[...] + x), lambda: None)
+    return c, acc[...]
+
+  _, ys = bnx.scan(step, 0.0, jnp.arange(4.0))
+  _, ref = jax.lax.scan(lambda a, x: (jnp.where(x > 1, a + x, a),) * 2, jnp.float32(0.0), jnp.arange(4.0))
+  np.testing.assert_allclose(ys, ref)
+  assert float(acc[...]) == 5.0
+
+
+def test_mismatched_branches_and_errors_leave_state_exact():
+  c = Counter()
+  before = values_of(c)
+  with pytest.raises(ValueError, match='branch 1 returns'):
+    bnx.cond(True, lambda: jnp.zeros(2), lambda: jnp.zeros(3))
+  with pytest.raises(TypeError, match='branch 1 is not callable'):
+    bnx.switch(0, [lambda: 1.0, 'nope'])
+
+  def boom():
+    c.total[...] += 1.0
+    raise RuntimeError('inside a branch')
+
+  with pytest.raises(RuntimeError, match='inside a branch'):
+    bnx.cond(True, boom, lambda: None)
+  assert_same_values(before, values_of(c))
+  assert float(bnx.cond(True, lambda: c.total[...].sum() + 1, lambda: 0.0)) == 1.0  # next call works
