@@ -1,5 +1,6 @@
 """brainnx: brainstate-style stateful transforms for Flax NNX."""
 
+from brainnx._control import cond, ifelse, switch
 from brainnx._filters import BatchAxisError
 from brainnx._grad import grad, value_and_grad
 from brainnx._jit import jit
@@ -10,7 +11,18 @@ from brainnx._mapping import vmap, vmap_new_states
 from brainnx._pmap import pmap
 from brainnx._tracing import StatefulFunction, make_jaxpr
 
-__version__ = '0.1.0'
+def _version() -> str:
+  """The installed distribution's version; the source tree's when brainnx is not installed."""
+  from importlib.metadata import PackageNotFoundError, version
+
+  try:
+    return version('brainnx')
+  except PackageNotFoundError:
+    return '0.1.0'
+
+
+__version__ = _version()
+del _version
 
 __all__ = [
   'BatchAxisError',
@@ -18,14 +30,17 @@ __all__ = [
   'StatefulFunction',
   'checkpointed_for_loop',
   'checkpointed_scan',
+  'cond',
   'for_loop',
   'fori_loop',
   'grad',
+  'ifelse',
   'jit',
   'make_jaxpr',
   'map',
   'pmap',
   'scan',
+  'switch',
   'vmap',
   'value_and_grad',
   'vmap_new_states',
