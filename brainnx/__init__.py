@@ -1,6 +1,7 @@
 """brainnx: brainstate-style stateful transforms for Flax NNX."""
 
 from brainnx._control import cond, ifelse, switch
+from brainnx._eval_shape import eval_shape
 from brainnx._filters import BatchAxisError
 from brainnx._grad import grad, value_and_grad
 from brainnx._jit import jit
@@ -31,6 +32,7 @@ __all__ = [
   'checkpointed_for_loop',
   'checkpointed_scan',
   'cond',
+  'eval_shape',
   'for_loop',
   'fori_loop',
   'grad',
