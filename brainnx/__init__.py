@@ -10,6 +10,7 @@ from brainnx._loops import checkpointed_for_loop, checkpointed_scan, for_loop, f
 from brainnx._map import map
 from brainnx._mapping import vmap, vmap_new_states
 from brainnx._pmap import pmap
+from brainnx._remat import checkpoint, remat
 from brainnx._tracing import StatefulFunction, make_jaxpr
 
 def _version() -> str:
@@ -29,6 +30,7 @@ __all__ = [
   'BatchAxisError',
   'ProgressBar',
   'StatefulFunction',
+  'checkpoint',
   'checkpointed_for_loop',
   'checkpointed_scan',
   'cond',
@@ -41,6 +43,7 @@ __all__ = [
   'make_jaxpr',
   'map',
   'pmap',
+  'remat',
   'scan',
   'switch',
   'vmap',
