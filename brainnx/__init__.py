@@ -1,5 +1,6 @@
 """brainnx: brainstate-style stateful transforms for Flax NNX."""
 
+from brainnx._autodiff import hessian, jacfwd, jacrev, jvp, vjp
 from brainnx._control import cond, ifelse, switch
 from brainnx._eval_shape import eval_shape
 from brainnx._filters import BatchAxisError
@@ -38,14 +39,19 @@ __all__ = [
   'for_loop',
   'fori_loop',
   'grad',
+  'hessian',
   'ifelse',
+  'jacfwd',
+  'jacrev',
   'jit',
+  'jvp',
   'make_jaxpr',
   'map',
   'pmap',
   'remat',
   'scan',
   'switch',
+  'vjp',
   'vmap',
   'value_and_grad',
   'vmap_new_states',

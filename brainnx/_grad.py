@@ -120,8 +120,13 @@ def _grad_leaf(var, grad):
   return var.copy(grad) if isinstance(var, nnx.Variable) else grad
 
 
-def _grad_call(fun, grad_states, argnums, argnums_is_int, has_aux, args, kwargs):
-  """``(value, aux, state_grads, arg_grads)`` of one call; other writes applied."""
+def _pure_call(fun, grad_states, argnums, has_aux, args, kwargs, name='grad'):
+  """The call as a pure function of the selected Variables' and arguments' values.
+
+  Returns ``(pure, target_vals, arg_vals, write_back, pack)``: ``pure(t, a)`` gives
+  ``(value, (value, aux, written values))``; ``write_back(written values)`` writes the other
+  Variables back; ``pack(g_states, g_args)`` packs derivatives like the selection.
+  """
   call = CallArgs.split(args, kwargs)
   disc = discover(fun, args, kwargs)
   targets = _Targets(grad_states, disc, args, argnums)
@@ -131,8 +136,8 @@ def _grad_call(fun, grad_states, argnums, argnums_is_int, has_aux, args, kwargs)
   diff_args = tuple(k for k in (argnums or ()) if k not in targets.node_args)
   for k in diff_args:
     if call.kinds[k] is not ArgKind.DYN:
-      raise TypeError(f'grad: argument {k} (argnums) must be arrays, not a container holding Modules')
-  written: list = []  # indices the traced call wrote, read once jax.value_and_grad returns
+      raise TypeError(f'{name}: argument {k} (argnums) must be arrays, not a container holding Modules')
+  written: list = []  # indices the traced call wrote, read once the JAX transform returns
 
   def pure(target_vals, arg_vals):
     states = list(values)
@@ -145,28 +150,41 @@ def _grad_call(fun, grad_states, argnums, argnums_is_int, has_aux, args, kwargs)
     dyn_call = CallArgs.split(tuple(new_args), kwargs)
     step = state_step(fun, disc, dyn_call, states, dyn_call.dyn, keep_new=False)
     if step.new_vars:
-      raise ValueError('grad: the function creates Variables; create them before differentiating')
-    written.extend(step.written)
+      raise ValueError(f'{name}: the function creates Variables; create them before differentiating')
+    written[:] = step.written
     out = step.out
     if has_aux:
       if not (isinstance(out, tuple) and len(out) == 2):
-        raise TypeError('grad: with has_aux=True the function must return a pair (value, aux)')
+        raise TypeError(f'{name}: with has_aux=True the function must return a pair (value, aux)')
       value, aux = out
     else:
       value, aux = out, None
-    return value, (aux, step.written_values())
+    return value, (value, aux, step.written_values())
+
+  def write_back(written_vals):
+    write_values(disc, written, written_vals)
+
+  def pack(g_states, g_args):
+    by_arg = dict(zip(diff_args, g_args))
+    by_arg.update({k: pack_node(g_states) for k, pack_node in targets.node_args.items()})
+    return targets.pack_states(g_states), by_arg
 
   target_vals = [_compat.raw_value(v) for v in targets.variables]
-  arg_vals = [args[k] for k in diff_args]
-  (value, (aux, written_vals)), (g_states, g_args) = jax.value_and_grad(pure, argnums=(0, 1), has_aux=True)(
-    target_vals, arg_vals
-  )
-  write_values(disc, written, written_vals)
-  state_grads = targets.pack_states(g_states)
+  return pure, target_vals, [args[k] for k in diff_args], write_back, pack
+
+
+def _grad_call(fun, grad_states, argnums, argnums_is_int, has_aux, args, kwargs, transform=jax.grad):
+  """``(value, aux, state_grads, arg_grads)`` of one call; other writes applied.
+
+  ``transform`` is ``jax.grad``, ``jax.jacrev``, ``jax.jacfwd`` or ``jax.hessian``.
+  """
+  name = getattr(transform, '__name__', 'grad')
+  pure, target_vals, arg_vals, write_back, pack = _pure_call(fun, grad_states, argnums, has_aux, args, kwargs, name)
+  (g_states, g_args), (value, aux, written_vals) = transform(pure, argnums=(0, 1), has_aux=True)(target_vals, arg_vals)
+  write_back(written_vals)
+  state_grads, by_arg = pack(g_states, g_args)
   arg_grads = None
   if argnums is not None:
-    by_arg = dict(zip(diff_args, g_args))
-    by_arg.update({k: pack(g_states) for k, pack in targets.node_args.items()})
     arg_grads = by_arg[argnums[0]] if argnums_is_int else tuple(by_arg[k] for k in argnums)
   return value, aux, state_grads, arg_grads
 
@@ -174,8 +192,8 @@ def _grad_call(fun, grad_states, argnums, argnums_is_int, has_aux, args, kwargs)
 class GradFunction:
   """The callable ``grad`` / ``value_and_grad`` return."""
 
-  def __init__(self, fun, grad_states, argnums, has_aux, return_value, with_value_first):
-    self.fun, self.grad_states, self.has_aux = fun, grad_states, has_aux
+  def __init__(self, fun, grad_states, argnums, has_aux, return_value, with_value_first, transform=jax.grad):
+    self.fun, self.grad_states, self.has_aux, self.transform = fun, grad_states, has_aux, transform
     self.return_value, self.with_value_first = return_value, with_value_first
     if argnums is None and grad_states is None:
       argnums = 0
@@ -186,7 +204,7 @@ class GradFunction:
 
   def _impl(self, *args, **kwargs):
     value, aux, state_grads, arg_grads = _grad_call(
-      self.fun, self.grad_states, self.argnums, self.argnums_is_int, self.has_aux, args, kwargs
+      self.fun, self.grad_states, self.argnums, self.argnums_is_int, self.has_aux, args, kwargs, self.transform
     )
     if self.grad_states is not None and self.argnums is not None:
       grads = (state_grads, arg_grads)
@@ -214,21 +232,48 @@ def grad(
   argnums: int | Sequence[int] | None = None,
   has_aux: bool = False,
   return_value: bool = False,
-):
+) -> Callable:
   """Gradient of a scalar function with respect to Variables and/or arguments.
 
-  ``grad_states`` picks the Variables: a graph node (grads are an
-  ``nnx.State`` of its ``nnx.Param``s, ready for
-  ``nnx.Optimizer.update(model, grads)``), a tuple/list/dict of nodes (the
-  same container of States), a Variable or list of Variables (arrays), or a
-  filter over the Variables the function uses (an ``nnx.State`` nested by
-  root name: ``grads['model']`` feeds ``optimizer.update(model, grads['model'])``; passing
-  the whole nest to an optimizer raises a ``ValueError`` saying so). ``argnums`` adds positional arguments (a Module argument
-  gets a State of its Params, like ``nnx.grad``); with both, the result is
-  ``(state_grads, arg_grads)``. Without either, ``argnums=0``. Returns
-  ``grads``, or ``(grads, aux)`` / ``(grads, value)`` / ``(grads, value, aux)``
-  for ``has_aux`` / ``return_value``. Other Variables the function writes
-  keep their new values.
+  The Variables to differentiate are taken out of the call as inputs of a
+  pure function. Other Variables the function writes (batch statistics, RNG
+  counts, counters) keep their new values, as after the forward pass.
+
+  Args:
+    fun: the function; it returns a scalar (or ``(scalar, aux)`` with
+      ``has_aux``) and may read and write the Variables it reaches.
+    grad_states: the Variables to differentiate. A graph node: grads are an
+      ``nnx.State`` of its ``nnx.Param``s, ready for
+      ``nnx.Optimizer.update(model, grads)``. A tuple/list/dict of nodes: the
+      same container of States. A Variable or list of Variables: arrays. A
+      filter over the Variables the function uses: an ``nnx.State`` nested
+      by root name; ``grads['model']`` feeds
+      ``optimizer.update(model, grads['model'])``, and passing the whole
+      nest to an optimizer raises a ``ValueError`` saying so. Default
+      ``None``: no Variables.
+    argnums: an int or a sequence of ints: positional arguments to
+      differentiate (a Module argument gets a State of its Params, like
+      ``nnx.grad``). Default ``None``; ``0`` when ``grad_states`` is also
+      ``None``.
+    has_aux: ``fun`` returns ``(value, aux)``; ``aux`` is returned, not
+      differentiated. Default ``False``.
+    return_value: also return ``fun``'s value. Default ``False``.
+
+  Returns:
+    A function with ``fun``'s arguments returning ``grads``, or
+    ``(grads, aux)`` / ``(grads, value)`` / ``(grads, value, aux)`` for
+    ``has_aux`` / ``return_value``. With both ``grad_states`` and
+    ``argnums``, ``grads`` is ``(state_grads, arg_grads)``; ``arg_grads`` is
+    one gradient for an int ``argnums``, a tuple for a sequence.
+
+  Raises:
+    TypeError: if ``fun`` is not callable; when called, if ``grad_states``
+      is not a node, Variable(s) or filter, a selected Variable is not
+      floating-point, a differentiated argument is a container holding
+      Modules, or with ``has_aux=True`` ``fun`` does not return a pair.
+    ValueError: when called, if ``argnums`` names an argument beyond those
+      passed, a filter ``grad_states`` matches none of the Variables the
+      function uses, or the function creates Variables.
 
   Example:
     >>> import jax.numpy as jnp
@@ -249,8 +294,32 @@ def value_and_grad(
   grad_states: Any = None,
   argnums: int | Sequence[int] | None = None,
   has_aux: bool = False,
-):
+) -> Callable:
   """``(value, grads)`` (``((value, aux), grads)`` with ``has_aux``), as :func:`grad`.
+
+  One call computes the function's value and its gradient. Variables are
+  selected, and other writes kept, exactly as by :func:`grad`.
+
+  Args:
+    fun: the function; it returns a scalar (or ``(scalar, aux)`` with
+      ``has_aux``).
+    grad_states: the Variables to differentiate (see :func:`grad`). Default
+      ``None``.
+    argnums: positional arguments to differentiate, an int or a sequence of
+      ints. Default ``None``; ``0`` when ``grad_states`` is also ``None``.
+    has_aux: ``fun`` returns ``(value, aux)``. Default ``False``.
+
+  Returns:
+    A function with ``fun``'s arguments returning ``(value, grads)``, or
+    ``((value, aux), grads)`` with ``has_aux``; ``grads`` as for :func:`grad`.
+
+  Raises:
+    TypeError: if ``fun`` is not callable; when called, for the problems
+      :func:`grad` reports (a non-floating-point Variable, ``has_aux``
+      without a pair, ...).
+    ValueError: when called, for the problems :func:`grad` reports
+      (``argnums`` out of range, a filter matching nothing, Variables
+      created inside).
 
   Example:
     >>> import jax.numpy as jnp

@@ -48,7 +48,7 @@ def test_no_private_imports_outside_compat(path):
 # Private attributes and internal conventions of jax and flax that only _compat.py may touch.
 PRIVATE_USES = (
   'jax._src', '._raw_value', '._trace_state', '_pytree__', '._replace(', 'debug_info._',
-  '.__dict__', '_can_update', 'trace_ctx', 'type(jnp.', 'ArrayImpl)',
+  '.__dict__', '_can_update', 'trace_ctx', ' type(jnp.', '(type(jnp.', 'ArrayImpl)',
 )
 
 

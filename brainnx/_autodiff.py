@@ -1,0 +1,160 @@
+"""Jacobians, Hessians, ``vjp`` and ``jvp`` of stateful functions, selected like :func:`grad`.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> import brainnx as bnx
+  >>> w = nnx.Param(jnp.array([1.0, 2.0]))
+  >>> bnx.jacrev(lambda x: w[...] * x, grad_states=w)(jnp.array([3.0, 4.0])).tolist()
+  [[3.0, 0.0], [0.0, 4.0]]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+
+from brainnx._grad import GradFunction, _pure_call
+
+__all__ = ['jacrev', 'jacfwd', 'hessian', 'vjp', 'jvp']
+
+
+def _derivative(transform, name: str):
+  def make(
+    fun: Callable,
+    grad_states: Any = None,
+    argnums: int | Sequence[int] | None = None,
+    has_aux: bool = False,
+    return_value: bool = False,
+  ) -> GradFunction:
+    if not callable(fun):
+      raise TypeError(f'{name} needs a callable, got {type(fun).__name__}')
+    return GradFunction(fun, grad_states, argnums, has_aux, return_value, with_value_first=False, transform=transform)
+
+  make.__name__ = make.__qualname__ = name
+  make.__doc__ = f"""``jax.{name}`` of a stateful function, with ``grad_states`` / ``argnums`` as :func:`grad`.
+
+  Args:
+    fun: the function; other Variables it writes keep their new values.
+    grad_states: the Variables to differentiate (a graph node, a container of nodes, Variables,
+      or a filter), packaged as :func:`grad` packages gradients.
+    argnums: positional arguments to differentiate too (default ``0`` when ``grad_states``
+      is ``None``).
+    has_aux: ``fun`` returns ``(value, aux)``.
+    return_value: also return the value: ``(derivative, value)``.
+
+  Returns:
+    A function returning the derivative (``(state_derivative, arg_derivative)`` with both
+    selections), plus ``aux`` / ``value`` as :func:`grad`. ``hessian`` gives each selected
+    Variable's (and argument's) own block, ``d2f / dx dx``.
+
+  Raises:
+    TypeError: ``fun`` is not callable, or a selected Variable is not floating point.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import brainnx as bnx
+    >>> bnx.{name}(lambda x: (x ** 3).sum())(jnp.array([1.0, 2.0])).tolist() == (
+    ...     [[6.0, 0.0], [0.0, 12.0]] if '{name}' == 'hessian' else [3.0, 12.0])
+    True
+  """
+  return make
+
+
+def _diagonal_hessian(f, argnums, has_aux):
+  """``jax.hessian`` keeping, for each selected value, its own block ``d2f / dx dx``."""
+  full = jax.hessian(f, argnums=argnums, has_aux=has_aux)
+
+  def diagonal(*args):
+    h, aux = full(*args)
+    blocks = tuple([h[g][k][g][k] for k in range(len(args[g]))] for g in range(len(argnums)))
+    return blocks, aux
+
+  return diagonal
+
+
+_diagonal_hessian.__name__ = 'hessian'
+
+jacrev = _derivative(jax.jacrev, 'jacrev')
+jacfwd = _derivative(jax.jacfwd, 'jacfwd')
+hessian = _derivative(_diagonal_hessian, 'hessian')
+
+
+def vjp(fun: Callable, *primals, grad_states: Any = None, argnums: int | Sequence[int] | None = None,
+        has_aux: bool = False) -> tuple:
+  """``jax.vjp`` of a stateful function at ``primals``, with ``grad_states`` / ``argnums`` as
+  :func:`grad` (without either, every primal is differentiated).
+
+  Args:
+    fun: the function; Variables it writes (other than selected ones) keep their new values.
+    *primals: its positional arguments.
+    grad_states, argnums: what to differentiate, as in :func:`grad`.
+    has_aux: ``fun`` returns ``(value, aux)``.
+
+  Returns:
+    ``(value, vjp_fn)`` or ``(value, vjp_fn, aux)``; ``vjp_fn(cotangent)`` returns the
+    derivatives packaged as :func:`grad` packages gradients.
+
+  Raises:
+    TypeError: ``fun`` is not callable, or a selected Variable is not floating point.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import brainnx as bnx
+    >>> y, pull = bnx.vjp(lambda x: x * 2, jnp.ones(2))
+    >>> pull(jnp.array([1.0, 3.0]))[0].tolist()   # one cotangent per primal, as jax.vjp
+    [2.0, 6.0]
+  """
+  if not callable(fun):
+    raise TypeError(f'vjp needs a callable, got {type(fun).__name__}')
+  if argnums is None and grad_states is None:
+    argnums = tuple(range(len(primals)))
+  argnums_is_int = isinstance(argnums, int)
+  nums = (argnums,) if argnums_is_int else (tuple(argnums) if argnums is not None else None)
+  pure, target_vals, arg_vals, write_back, pack = _pure_call(fun, grad_states, nums, has_aux, primals, {}, 'vjp')
+  value, pull, (_, aux, written_vals) = jax.vjp(pure, target_vals, arg_vals, has_aux=True)
+  write_back(written_vals)
+
+  def vjp_fn(cotangent):
+    g_states, g_args = pull(cotangent)
+    state_grads, by_arg = pack(g_states, g_args)
+    arg_grads = None if nums is None else (by_arg[nums[0]] if argnums_is_int else tuple(by_arg[k] for k in nums))
+    if grad_states is not None and nums is not None:
+      return state_grads, arg_grads
+    return state_grads if grad_states is not None else arg_grads
+
+  return (value, vjp_fn, aux) if has_aux else (value, vjp_fn)
+
+
+def jvp(fun: Callable, primals: Sequence, tangents: Sequence, has_aux: bool = False) -> tuple:
+  """``jax.jvp`` of a stateful function in JAX's form: Variables are held constant (read,
+  and written back, but not differentiated).
+
+  Args:
+    fun: the function.
+    primals, tangents: sequences of the positional arguments and their tangents.
+    has_aux: ``fun`` returns ``(value, aux)``.
+
+  Returns:
+    ``(value, tangent_out)`` or ``(value, tangent_out, aux)``.
+
+  Raises:
+    TypeError: ``fun`` is not callable.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import brainnx as bnx
+    >>> bnx.jvp(lambda x: x ** 2, (jnp.float32(3.0),), (jnp.float32(1.0),))[1].tolist()
+    6.0
+  """
+  if not callable(fun):
+    raise TypeError(f'jvp needs a callable, got {type(fun).__name__}')
+  primals = tuple(primals)
+  nums = tuple(range(len(primals)))
+  pure, target_vals, arg_vals, write_back, _ = _pure_call(fun, None, nums, has_aux, primals, {}, 'jvp')
+  value, tangent_out, (_, aux, written_vals) = jax.jvp(
+    lambda *a: pure(target_vals, list(a)), tuple(arg_vals), tuple(tangents), has_aux=True
+  )
+  write_back(written_vals)
+  return (value, tangent_out, aux) if has_aux else (value, tangent_out)
