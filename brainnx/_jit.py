@@ -458,7 +458,7 @@ def jit(
   donate_argnums: int | Sequence[int] = (),
   donate_states: Any = None,
   **jax_jit_kwargs: Any,
-):
+) -> Callable:
   """Compile ``fun``, reading and writing the Variables it can reach.
 
   Works as ``jit(f)``, ``@jit`` and ``@jit(static_argnums=...)``. Variables
@@ -486,6 +486,34 @@ def jit(
   A plain read of a Variable (``v[...]``) outside any brainnx call while
   another thread traces a function using it may see a tracer: read it
   inside a brainnx call, or after the other thread's call returns.
+
+  Args:
+    fun: the function to compile. Default ``None``: return a decorator.
+    static_argnums: an int or ints: positions of hashable arguments
+      compared by type and value and baked into the trace. Default ``()``.
+    static_argnames: a name or names of such arguments. Default ``()``.
+    donate_argnums: an int or ints: positions of arguments whose buffers
+      the compiled call may reuse. Default ``()``.
+    donate_states: a filter, or ``True`` for every written Variable: the
+      written Variables whose buffers are donated. Default ``None``: none.
+    **jax_jit_kwargs: other keywords for ``jax.jit`` (``device``,
+      ``inline``, ...).
+
+  Returns:
+    A ``JittedFunction`` taking ``fun``'s arguments and returning its
+    output (with ``.lower``, ``.clear_cache`` and ``.stateful_fun``), or,
+    when ``fun`` is ``None``, a decorator that makes one.
+
+  Raises:
+    TypeError: if ``fun`` is not callable or an argnum is not an int; when
+      called, if a static argument is not hashable or a Variable the
+      function uses holds something other than arrays.
+    ValueError: if an argnum is negative, ``static_argnums`` is beyond
+      ``fun``'s positional parameters, a ``static_argnames`` entry is not
+      one of its parameters, or an argument is both static and donated.
+    RuntimeError: when called, if a Variable holds a tracer leaked by a JAX
+      transform brainnx did not manage, or the function writes a Variable
+      inside a raw ``jax.jit``/``jax.vmap``/... where the new value would leak.
 
   Example:
     >>> import jax.numpy as jnp

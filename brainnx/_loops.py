@@ -233,12 +233,41 @@ def _python_scan(f, init, xs, n, reverse, runner):
   return carry, jax.tree.map(lambda *e: jnp.stack(e), *ys)
 
 
-def scan(f: Callable, init: Any, xs: Any, length: int | None = None, reverse: bool = False, unroll: int | bool = 1, pbar=None):
+def scan(
+  f: Callable, init: Any, xs: Any, length: int | None = None, reverse: bool = False, unroll: int | bool = 1, pbar=None
+) -> tuple[Any, Any]:
   """``jax.lax.scan`` for a body that reads and writes Variables.
 
   ``f(carry, x) -> (carry, y)``; Variables it writes are carried from step
-  to step and hold their final values afterwards. ``pbar`` is a
-  :class:`ProgressBar` or an int update frequency.
+  to step and hold their final values afterwards. The body is traced once;
+  Variables it only reads enter as constants.
+
+  Args:
+    f: the body, ``f(carry, x) -> (carry, y)``; the carry it returns must
+      have the structure of ``init``.
+    init: the initial carry (a pytree).
+    xs: a pytree of arrays scanned over their leading axis.
+    length: the number of steps; must agree with ``xs``'s leading size.
+      Default ``None``: that size.
+    reverse: scan from the last element to the first. Default ``False``.
+    unroll: steps unrolled per loop iteration, as in ``jax.lax.scan``.
+      Default ``1``.
+    pbar: a :class:`ProgressBar`, or an int update frequency. Default
+      ``None``: no bar.
+
+  Returns:
+    ``(carry, ys)``: the final carry and every step's ``y`` stacked along a
+    new leading axis.
+
+  Raises:
+    TypeError: if ``f`` is not callable, or ``pbar`` is not ``None``, a
+      ``ProgressBar`` or an int.
+    ValueError: if ``pbar`` is a non-positive int; if ``xs`` holds a scalar
+      or leaves of different leading sizes, ``length`` disagrees with them,
+      or there is nothing to scan over and no ``length``; if ``f`` does not
+      return a ``(carry, y)`` pair whose carry has ``init``'s structure, or
+      creates Variables; or if a Variable it writes changes shape, dtype or
+      structure from step to step.
 
   Example:
     >>> import jax.numpy as jnp
@@ -292,8 +321,37 @@ def _for_body(f):
   return step
 
 
-def for_loop(f: Callable, *xs, length: int | None = None, reverse: bool = False, unroll: int | bool = 1, pbar=None):
+def for_loop(
+  f: Callable, *xs, length: int | None = None, reverse: bool = False, unroll: int | bool = 1, pbar=None
+) -> Any:
   """Apply ``f(*x)`` over the leading axis of ``xs``; returns the stacked outputs.
+
+  A :func:`scan` without a carry: Variables ``f`` writes are carried from
+  step to step and hold their final values afterwards.
+
+  Args:
+    f: the body, called as ``f(*x)`` with one leading-axis slice of each of
+      ``xs``.
+    *xs: pytrees of arrays looped over their leading axis (same size).
+    length: the number of steps; must agree with the leading sizes.
+      Default ``None``: that size.
+    reverse: loop from the last element to the first (outputs keep their
+      positions). Default ``False``.
+    unroll: steps unrolled per loop iteration, as in ``jax.lax.scan``.
+      Default ``1``.
+    pbar: a :class:`ProgressBar`, or an int update frequency. Default
+      ``None``: no bar.
+
+  Returns:
+    ``f``'s outputs for every step, stacked along a new leading axis.
+
+  Raises:
+    TypeError: if ``f`` is not callable, or ``pbar`` is not ``None``, a
+      ``ProgressBar`` or an int.
+    ValueError: as :func:`scan`: a non-positive int ``pbar``, scalar or
+      mismatched inputs or ``length``, no inputs and no ``length``, Variables
+      created in ``f``, or a written Variable changing shape, dtype or
+      structure.
 
   Example:
     >>> import jax.numpy as jnp
@@ -356,9 +414,34 @@ def _nested_scan(step, carry, length: int, base: int):
   return carry, ys
 
 
-def checkpointed_scan(f: Callable, init: Any, xs: Any, length: int | None = None, base: int = 16, pbar=None):
-  """``scan`` with the same values and gradients, and reverse-mode memory that
-  grows like O(base * log_base(length)) steps instead of O(length).
+def checkpointed_scan(
+  f: Callable, init: Any, xs: Any, length: int | None = None, base: int = 16, pbar=None
+) -> tuple[Any, Any]:
+  """``scan`` with the same values and gradients, and less reverse-mode memory.
+
+  Reverse-mode memory grows like O(base * log_base(length)) steps instead of
+  O(length): the steps are split into nested checkpointed blocks of
+  ``base`` steps, and a backward pass recomputes the inner steps.
+
+  Args:
+    f: the body, ``f(carry, x) -> (carry, y)`` (see :func:`scan`).
+    init: the initial carry (a pytree).
+    xs: a pytree of arrays scanned over their leading axis.
+    length: the number of steps; must agree with ``xs``'s leading size.
+      Default ``None``: that size.
+    base: the block size of each checkpointing level (an int >= 2). Default
+      ``16``.
+    pbar: a :class:`ProgressBar`, or an int update frequency. Default
+      ``None``: no bar.
+
+  Returns:
+    ``(carry, ys)``, as :func:`scan`.
+
+  Raises:
+    TypeError: if ``f`` is not callable, or ``pbar`` is not ``None``, a
+      ``ProgressBar`` or an int.
+    ValueError: if ``base`` is not an int >= 2, the loop has zero steps, or
+      for the problems :func:`scan` reports.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -403,8 +486,31 @@ def _checkpointed_impl(f, bar, init, xs, length, base, pbar):
   return body.trace.out_spec.rebuild(list(leaves) + list(ys), body.disc)
 
 
-def checkpointed_for_loop(f: Callable, *xs, length: int | None = None, base: int = 16, pbar=None):
+def checkpointed_for_loop(f: Callable, *xs, length: int | None = None, base: int = 16, pbar=None) -> Any:
   """``for_loop`` with the memory profile of :func:`checkpointed_scan`.
+
+  Values and gradients are those of :func:`for_loop`; reverse-mode memory
+  grows like O(base * log_base(length)) steps.
+
+  Args:
+    f: the body, called as ``f(*x)`` with one leading-axis slice of each of
+      ``xs``.
+    *xs: pytrees of arrays looped over their leading axis (same size).
+    length: the number of steps; must agree with the leading sizes.
+      Default ``None``: that size.
+    base: the block size of each checkpointing level (an int >= 2). Default
+      ``16``.
+    pbar: a :class:`ProgressBar`, or an int update frequency. Default
+      ``None``: no bar.
+
+  Returns:
+    ``f``'s outputs for every step, stacked along a new leading axis.
+
+  Raises:
+    TypeError: if ``f`` is not callable, or ``pbar`` is not ``None``, a
+      ``ProgressBar`` or an int.
+    ValueError: if ``base`` is not an int >= 2, the loop has zero steps, or
+      for the problems :func:`for_loop` reports.
 
   Example:
     >>> import jax.numpy as jnp
@@ -426,8 +532,28 @@ def _checkpointed_for_impl(f, bar, *args):
 # -- while and fori ---------------------------------------------------------------
 
 
-def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any):
+def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
   """``jax.lax.while_loop`` whose body may write Variables (``cond_fun`` may only read).
+
+  Variables ``body_fun`` writes travel in the loop carry and hold their
+  final values afterwards.
+
+  Args:
+    cond_fun: ``cond_fun(val) -> bool scalar``; the loop runs while it is
+      true. It may read Variables but not write them.
+    body_fun: ``body_fun(val) -> val``, returning the structure of
+      ``init_val``; it may read and write Variables.
+    init_val: the initial loop value (a pytree).
+
+  Returns:
+    The loop value once ``cond_fun`` is false.
+
+  Raises:
+    TypeError: if ``cond_fun`` or ``body_fun`` is not callable, or
+      ``cond_fun`` does not return a boolean scalar.
+    ValueError: if ``cond_fun`` writes a Variable, ``body_fun`` does not
+      return ``init_val``'s structure or creates Variables, or a Variable it
+      writes changes shape, dtype or structure.
 
   Example:
     >>> import jax.numpy as jnp
@@ -486,11 +612,32 @@ def _while_impl(cond_fun, body_fun, init_val):
   return body.trace.out_spec.rebuild(list(leaves), body.disc)
 
 
-def fori_loop(lower, upper, body_fun: Callable, init_val: Any, pbar=None):
+def fori_loop(lower, upper, body_fun: Callable, init_val: Any, pbar=None) -> Any:
   """``jax.lax.fori_loop`` whose body may write Variables.
 
   With concrete bounds it runs as a ``scan`` (reverse-differentiable, and
   ``pbar`` works); with traced bounds as a ``while_loop``.
+
+  Args:
+    lower: the first index (an int, or a traced integer scalar).
+    upper: one past the last index (an int, or a traced integer scalar).
+    body_fun: ``body_fun(i, val) -> val``, returning the structure of
+      ``init_val``; it may read and write Variables.
+    init_val: the initial loop value (a pytree).
+    pbar: a :class:`ProgressBar`, or an int update frequency (concrete
+      bounds only). Default ``None``: no bar.
+
+  Returns:
+    The loop value after ``body_fun`` ran for ``i`` in ``range(lower,
+    upper)`` (``init_val`` when that range is empty).
+
+  Raises:
+    TypeError: if ``body_fun`` is not callable, or ``pbar`` is not
+      ``None``, a ``ProgressBar`` or an int.
+    ValueError: if ``pbar`` is given with traced bounds or is a
+      non-positive int, or for the problems :func:`scan` /
+      :func:`while_loop` report (a body that creates Variables, changes a
+      written Variable's shape or dtype, or returns another structure).
 
   Example:
     >>> import brainnx as bnx

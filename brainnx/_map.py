@@ -9,7 +9,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -23,13 +23,31 @@ from brainnx._mapping import vmap
 __all__ = ['map']
 
 
-def map(f: Callable, *xs, batch_size: int | None = None):  # noqa: A001 - brainstate's name
+def map(f: Callable, *xs, batch_size: int | None = None) -> Any:  # noqa: A001 - brainstate's name
   """Apply ``f`` to every slice of ``xs`` along the leading axis; outputs stacked.
 
   Without ``batch_size`` this is a sequential loop (``f`` may write
   Variables). With ``batch_size`` it runs ``vmap(f)`` over chunks of that
   size (then the remainder), trading memory for speed; ``f`` may then only
   write RNG state (each element draws its own keys).
+
+  Args:
+    f: the function, called as ``f(*x)`` with one leading-axis slice of each
+      of ``xs``.
+    *xs: pytrees of arrays mapped over their leading axis; every leaf must
+      have the same leading size.
+    batch_size: ``None`` (default) for a sequential loop, or a positive int:
+      the number of slices evaluated together by ``vmap``.
+
+  Returns:
+    ``f``'s outputs for every slice, stacked along a new leading axis (a
+    pytree of the structure ``f`` returns).
+
+  Raises:
+    TypeError: if ``f`` is not callable.
+    ValueError: if ``batch_size`` is not a positive int, if ``xs`` holds no
+      arrays, a scalar, or leaves of different leading sizes, or if with
+      ``batch_size`` ``f`` writes a Variable other than RNG state.
 
   Example:
     >>> import jax.numpy as jnp

@@ -595,9 +595,10 @@ def vmap(
   state_in_axes: Any = None,
   state_out_axes: Any = None,
   unexpected_out_state_mapping: str = 'raise',
-):
+) -> Callable:
   """Vectorizing map over arguments *and* the Variables ``fn`` reaches.
 
+  Works as ``vmap(f)``, ``@vmap`` and ``@vmap(in_axes=...)``.
   ``state_in_axes`` / ``state_out_axes`` give batch axes to Variables by NNX
   filter (``nnx.Param``, a tag, ``nnx.PathContains``, ``nnx.All/Any/Not``, a
   predicate, a Variable instance or a list of them): a filter alone means
@@ -612,6 +613,48 @@ def vmap(
   elements is written once; one that differs per element follows
   ``unexpected_out_state_mapping``: ``'raise'`` (``BatchAxisError``),
   ``'warn'`` or ``'ignore'`` (stacked on axis 0).
+
+  Args:
+    fn: the function to map. Default ``None``: return a decorator.
+    in_axes: the batch axis of each positional argument: an int, ``None``
+      (broadcast), or a tuple with one entry per positional argument (each
+      an int, ``None`` or a pytree prefix of them). Keyword arguments are
+      mapped on axis 0. Default ``0``.
+    out_axes: the batch axis of the outputs (an int, ``None`` for an output
+      that is the same for every element, or a pytree prefix). Default ``0``.
+    axis_name: a name for the mapped axis, for collectives such as
+      ``jax.lax.pmean(x, axis_name)``. Default ``None``.
+    axis_size: the batch size, needed when nothing mapped gives it (a
+      non-negative int). Default ``None``.
+    spmd_axis_name: passed to ``jax.vmap``. Default ``None``.
+    state_in_axes: batch axes of Variables going in: a filter (``{0:
+      filter}``) or a dict ``{axis: filter}``. Default ``None``: no rules.
+    state_out_axes: batch axes of written Variables going out, in the same
+      form. Default ``None``: no rules.
+    unexpected_out_state_mapping: what happens to a broadcast Variable
+      written with a per-element value: ``'raise'`` (default), ``'warn'`` or
+      ``'ignore'``.
+
+  Returns:
+    The mapped function (reading and writing Variables as described), or,
+    when ``fn`` is ``None``, a decorator that makes one.
+
+  Raises:
+    TypeError: if ``fn`` is not callable, or if ``state_in_axes`` /
+      ``state_out_axes`` hold something that is not a filter or an axis key
+      that is not an int or ``None``; when called, if ``in_axes`` is not an
+      int, ``None`` or a tuple.
+    ValueError: if ``axis_size`` is not a non-negative int or
+      ``unexpected_out_state_mapping`` is not one of the three policies;
+      when called, if a tuple ``in_axes`` does not have one entry per
+      positional argument, an input has no axis to map over, the batch sizes
+      disagree or none is given, or an output with ``out_axes=None``
+      depends on the batch.
+    BatchAxisError: when called, if a Variable's batch axis cannot be
+      decided or contradicts itself: a broadcast Variable written with a
+      per-element value under ``'raise'``, a ``state_out_axes=None``
+      Variable that depends on the batch, one Variable reached with two
+      batch axes, or an in-axis that disagrees with ``state_out_axes``.
 
   Example:
     >>> import jax.numpy as jnp
@@ -649,12 +692,50 @@ def vmap_new_states(
   state_in_axes: Any = None,
   state_out_axes: Any = None,
   unexpected_out_state_mapping: str = 'raise',
-):
+) -> Callable:
   """``vmap`` whose Variables created inside ``fun`` come out stacked on axis 0.
 
-  New Variables, including ones attached to existing Modules, get the batch
-  axis (and the tag ``state_tag`` when given). Those matching
-  ``state_to_exclude`` are kept as one value and must not depend on the batch.
+  Works as ``vmap_new_states(f)``, ``@vmap_new_states`` and
+  ``@vmap_new_states(state_tag=...)``. New Variables, including ones
+  attached to existing Modules, get the batch axis (and the tag
+  ``state_tag`` when given). Those matching ``state_to_exclude`` are kept
+  as one value and must not depend on the batch. Existing Variables follow
+  :func:`vmap`'s rules.
+
+  Args:
+    fun: the function to map. Default ``None``: return a decorator.
+    in_axes: the batch axis of each positional argument, as in
+      :func:`vmap`. Default ``0``.
+    out_axes: the batch axis of the outputs, as in :func:`vmap`. Default ``0``.
+    axis_name: a name for the mapped axis, for collectives. Default ``None``.
+    axis_size: the batch size, needed when nothing mapped gives it (a
+      positive int). Default ``None``.
+    spmd_axis_name: passed to ``jax.vmap``. Default ``None``.
+    state_tag: a tag set on every batched Variable created inside (its
+      ``.tag`` metadata). Default ``None``: no tag.
+    state_to_exclude: a filter of created Variables kept as one unbatched
+      value. Default ``None``: none excluded.
+    state_in_axes: batch axes of existing Variables going in, by filter (see
+      :func:`vmap`). Default ``None``.
+    state_out_axes: batch axes of written or created Variables going out, by
+      filter; it takes precedence over the default axis 0. Default ``None``.
+    unexpected_out_state_mapping: for existing broadcast Variables written
+      with a per-element value: ``'raise'`` (default), ``'warn'`` or
+      ``'ignore'``.
+
+  Returns:
+    The mapped function, or, when ``fun`` is ``None``, a decorator that
+    makes one.
+
+  Raises:
+    TypeError: if ``fun`` is not callable, or a rule (``state_in_axes``,
+      ``state_out_axes``, ``state_to_exclude``) is not a filter.
+    ValueError: if ``axis_size`` is not a positive int, or
+      ``unexpected_out_state_mapping`` is not one of the three policies;
+      when called, for the input problems :func:`vmap` reports.
+    BatchAxisError: when called, if a created Variable matching
+      ``state_to_exclude`` or declared ``state_out_axes=None`` differs per
+      batch element, or for the Variable problems :func:`vmap` reports.
 
   Example:
     >>> import jax.numpy as jnp

@@ -44,11 +44,54 @@ def pmap(
   state_in_axes: Any = None,
   state_out_axes: Any = None,
   unexpected_out_state_mapping: str = 'raise',
-):
+) -> Callable:
   """Parallel map over devices with ``vmap``'s Variable rules (see :func:`vmap`).
 
-  ``static_broadcasted_argnums`` are hashable arguments baked into the trace;
-  ``donate_argnums`` donates those arguments' buffers to the compiled call.
+  Works as ``pmap(f)``, ``@pmap`` and ``@pmap(axis_name=...)``. One batch
+  element runs per device; Variables get batch axes exactly as under
+  :func:`vmap`. ``static_broadcasted_argnums`` are hashable arguments baked
+  into the trace; ``donate_argnums`` donates those arguments' buffers to the
+  compiled call.
+
+  Args:
+    fn: the function to map. Default ``None``: return a decorator.
+    axis_name: a name for the mapped axis, for collectives such as
+      ``jax.lax.psum(x, axis_name)``. Default ``None``.
+    in_axes: the batch axis of each positional argument (an int, ``None``
+      for broadcast, or a tuple/pytree of them), as in ``jax.pmap``.
+      Default ``0``.
+    out_axes: the batch axis of the outputs, as in ``jax.pmap``. Default ``0``.
+    static_broadcasted_argnums: positions of hashable arguments baked into
+      the trace. Default ``()``.
+    devices: the devices to run on, as in ``jax.pmap``. Default ``None``:
+      the local devices of ``backend``.
+    backend: the XLA backend, as in ``jax.pmap``. Default ``None``.
+    axis_size: the batch size, needed when nothing mapped gives it (a
+      non-negative int). Default ``None``.
+    donate_argnums: positions of arguments whose buffers the compiled call
+      may reuse. Default ``()``.
+    state_in_axes: batch axes of Variables going in, by filter (see
+      :func:`vmap`). Default ``None``: by the argument they come through.
+    state_out_axes: batch axes of written Variables going out, by filter.
+      Default ``None``: their in-axis.
+    unexpected_out_state_mapping: what happens to a broadcast Variable
+      written with a per-element value: ``'raise'`` (default), ``'warn'`` or
+      ``'ignore'`` (both stack it on axis 0).
+
+  Returns:
+    The mapped function (reading and writing Variables as ``fn`` does), or,
+    when ``fn`` is ``None``, a decorator that makes one.
+
+  Raises:
+    TypeError: if ``fn`` is not callable, if an argnum is not an int, or if
+      ``state_in_axes``/``state_out_axes`` hold something that is not a
+      filter or an axis key that is not an int or ``None``.
+    ValueError: if ``axis_size`` is not a non-negative int, an argnum is
+      negative, or ``unexpected_out_state_mapping`` is not one of the three
+      policies; when called, if the batch is larger than the number of
+      devices, or the batch sizes disagree or none is given.
+    BatchAxisError: when called, if a Variable's batch axis cannot be
+      decided or contradicts itself (see :class:`BatchAxisError`).
 
   Example:
     >>> import jax, jax.numpy as jnp

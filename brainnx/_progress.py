@@ -39,12 +39,29 @@ __all__ = ['ProgressBar', 'check_pbar', 'runner_for']
 class ProgressBar:
   """A progress bar for ``scan``, ``for_loop``, their checkpointed forms and ``fori_loop``.
 
+  Pass it as a loop's ``pbar=`` argument (an int ``pbar=n`` is shorthand for
+  ``ProgressBar(freq=n)``). Every execution of the loop opens its own tqdm
+  bar, whose total is the loop's length; it is updated from inside the
+  compiled loop by host callbacks and only ever moves forward.
+
   Args:
-    freq: update every ``freq`` steps (default: about 20 updates per loop).
-    count: update about ``count`` times per loop (exclusive with ``freq``).
-    desc: a label, or ``(format, fn)`` where ``fn(dict(i=..., carry=..., y=...))``
-      returns a dict of values (computed on device) formatted into ``format``.
-    **tqdm_kwargs: passed to ``tqdm.tqdm`` (``file``, ``ncols``, ``leave``, ...).
+    freq: update every ``freq`` steps (a positive int). Default ``None``:
+      about 20 updates per loop, unless ``count`` is given.
+    count: update about ``count`` times per loop (a positive int; exclusive
+      with ``freq``). Default ``None``.
+    desc: a label string, or ``(format, fn)`` where
+      ``fn(dict(i=..., carry=..., y=...))`` returns a dict of values
+      (computed on device) formatted into ``format``. Default ``None``: no label.
+    **tqdm_kwargs: passed to ``tqdm.tqdm`` (``file``, ``ncols``, ``leave``,
+      ...); ``total`` is set by the loop.
+
+  Raises:
+    ValueError: if both ``freq`` and ``count`` are given, or either is not a
+      positive int; when a loop starts, if ``freq`` or ``count`` is larger
+      than its number of steps.
+    TypeError: if ``desc`` is neither a string nor a ``(format string,
+      function)`` pair, if ``total`` is passed, or if a keyword is not one
+      ``tqdm.tqdm`` accepts.
 
   Example:
     >>> import io, jax.numpy as jnp
@@ -56,7 +73,7 @@ class ProgressBar:
     (True, True)
   """
 
-  def __init__(self, freq: int | None = None, count: int | None = None, desc: Any = None, **tqdm_kwargs):
+  def __init__(self, freq: int | None = None, count: int | None = None, desc: Any = None, **tqdm_kwargs) -> None:
     if freq is not None and count is not None:
       raise ValueError('ProgressBar: give freq or count, not both')
     for name, value in (('freq', freq), ('count', count)):

@@ -421,24 +421,37 @@ def _finish_trace(closed, shapes, step: StepShape, spec: OutSpec, disc, state_av
 class StatefulFunction:
   """A function whose Variables are found by tracing, with a cached jaxpr per signature.
 
-  Args:
-    fun: the function. It may read and write any Variable reachable from its
-      arguments, ``self``, ``functools.partial`` arguments, closure cells and
-      the globals its code loads.
-    static_argnums, static_argnames: arguments compared by value (hashable)
-      and baked into the trace.
-    name: a label for error messages and ``repr``.
-    return_only_write: the jaxpr returns only written states' values (else
-      every touched state's).
-
   The jaxpr's inputs are ``get_states()`` values then the dynamic argument
   leaves; its outputs are the (written) state values then the output leaves.
-  Traces are kept in a thread-safe LRU cache (128 entries).
+  Traces are kept in a thread-safe LRU cache (128 entries by default).
 
   States are ordered by first touch, read off the jaxpr: the first equation
   that uses a state's incoming value or produces its new value. States
   touched at the same point (say, assigned an argument as is) keep their
   discovery order.
+
+  Every method taking ``*args, **kwargs`` traces ``fun`` for those
+  arguments (arrays or ``jax.ShapeDtypeStruct``s; static ones by value)
+  unless a trace for their abstract signature is cached.
+
+  Args:
+    fun: the function. It may read and write any Variable reachable from its
+      arguments, ``self``, ``functools.partial`` arguments, closure cells and
+      the globals its code loads.
+    static_argnums: an int or ints: positions of arguments compared by
+      value (hashable) and baked into the trace. Default ``()``.
+    static_argnames: a name or names of such arguments. Default ``()``.
+    name: a label for error messages and ``repr``. Default ``None``:
+      ``fun.__name__``.
+    return_only_write: the jaxpr returns only written states' values (else
+      every touched state's). Default ``True``.
+    cache_size: the number of traces kept (keyword only). Default ``128``.
+
+  Raises:
+    TypeError: if ``fun`` is not callable or an argnum is not an int.
+    ValueError: if an argnum is negative, ``static_argnums`` is beyond
+      ``fun``'s positional parameters, or a ``static_argnames`` entry is not
+      one of its parameters.
 
   Example:
     >>> import jax.numpy as jnp
@@ -463,7 +476,7 @@ class StatefulFunction:
     return_only_write: bool = True,
     *,
     cache_size: int = 128,
-  ):
+  ) -> None:
     if not callable(fun):
       raise TypeError(f'StatefulFunction needs a callable, got {type(fun).__name__}')
     self.fun = fun
@@ -502,39 +515,218 @@ class StatefulFunction:
     return call, disc, self.trace_for(disc, call, values, call.dyn, keep_new=keep_new)
 
   def make_jaxpr(self, *args, **kwargs) -> 'StatefulFunction':
-    """Trace for these arguments (arrays or ``jax.ShapeDtypeStruct``s); returns ``self``."""
+    """Trace for these arguments (arrays or ``jax.ShapeDtypeStruct``s); returns ``self``.
+
+    The trace is cached, so later calls with the same abstract signature
+    reuse it. No Variable is changed.
+
+    Args:
+      *args: the call's positional arguments (arrays,
+        ``jax.ShapeDtypeStruct``s, graph nodes, static values).
+      **kwargs: the call's keyword arguments.
+
+    Returns:
+      ``self``, for chaining (``sf.make_jaxpr(x).get_states(x)``).
+
+    Raises:
+      TypeError: if a static argument is not hashable, or a dynamic
+        argument or a Variable the call uses holds something other than
+        arrays.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import brainnx as bnx
+      >>> w = nnx.Param(jnp.ones(3))
+      >>> sf = bnx.StatefulFunction(lambda x: x * w[...])
+      >>> sf.make_jaxpr(jax.ShapeDtypeStruct((3,), jnp.float32)) is sf
+      True
+      >>> sf.get_cache_stats()['jaxpr_cache']['size']
+      1
+    """
     self._trace(args, kwargs)
     return self
 
-  def get_jaxpr(self, *args, **kwargs):
-    """The ``ClosedJaxpr`` for these arguments."""
+  def get_jaxpr(self, *args, **kwargs) -> jax.extend.core.ClosedJaxpr:
+    """The ``ClosedJaxpr`` for these arguments.
+
+    Its inputs are the :meth:`get_states` values then the dynamic argument
+    leaves; its outputs the written (or, with ``return_only_write=False``,
+    all touched) state values then the output leaves.
+
+    Args:
+      *args: the call's positional arguments (arrays,
+        ``jax.ShapeDtypeStruct``s, graph nodes, static values).
+      **kwargs: the call's keyword arguments.
+
+    Returns:
+      The cached ``jax.extend.core.ClosedJaxpr`` of the call.
+
+    Raises:
+      TypeError: if a static argument is not hashable, or a dynamic
+        argument or a Variable the call uses holds something other than
+        arrays.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import brainnx as bnx
+      >>> w = nnx.Param(jnp.ones(3))
+      >>> jaxpr = bnx.StatefulFunction(lambda x: x * w[...]).get_jaxpr(jnp.ones(3))
+      >>> len(jaxpr.jaxpr.invars), len(jaxpr.jaxpr.outvars)   # (w, x) -> (out,)
+      (2, 1)
+    """
     return self._trace(args, kwargs)[2].closed
 
   def get_states(self, *args, **kwargs) -> tuple:
-    """Variables the call reads or writes, in first-touch order."""
+    """Variables the call reads or writes, in first-touch order.
+
+    Args:
+      *args: the call's positional arguments (arrays,
+        ``jax.ShapeDtypeStruct``s, graph nodes, static values).
+      **kwargs: the call's keyword arguments.
+
+    Returns:
+      A tuple of the touched Variable objects, in the order of the jaxpr's
+      state inputs.
+
+    Raises:
+      TypeError: if a static argument is not hashable, or a dynamic
+        argument or a Variable the call uses holds something other than
+        arrays.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import brainnx as bnx
+      >>> out, scale = nnx.Variable(jnp.zeros(())), nnx.Param(jnp.array(2.0))
+      >>> def f(x):
+      ...   out[...] = x * scale[...]
+      >>> bnx.StatefulFunction(f).get_states(1.0) == (scale, out)
+      True
+    """
     _, disc, trace = self._trace(args, kwargs)
     return tuple(disc.variables[i] for i in trace.states)
 
   def get_read_states(self, *args, **kwargs) -> tuple:
-    """Variables whose incoming value the call uses."""
+    """Variables whose incoming value the call uses.
+
+    Args:
+      *args: the call's positional arguments (arrays,
+        ``jax.ShapeDtypeStruct``s, graph nodes, static values).
+      **kwargs: the call's keyword arguments.
+
+    Returns:
+      A tuple of those Variables, in first-touch order.
+
+    Raises:
+      TypeError: if a static argument is not hashable, or a dynamic
+        argument or a Variable the call uses holds something other than
+        arrays.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import brainnx as bnx
+      >>> out, scale = nnx.Variable(jnp.zeros(())), nnx.Param(jnp.array(2.0))
+      >>> def f(x):
+      ...   out[...] = x * scale[...]      # out is written, not read
+      >>> bnx.StatefulFunction(f).get_read_states(1.0) == (scale,)
+      True
+    """
     _, disc, trace = self._trace(args, kwargs)
     return tuple(disc.variables[i] for i in trace.states if i in trace.read)
 
   def get_write_states(self, *args, **kwargs) -> tuple:
-    """Variables the call gives a new value."""
+    """Variables the call gives a new value.
+
+    Args:
+      *args: the call's positional arguments (arrays,
+        ``jax.ShapeDtypeStruct``s, graph nodes, static values).
+      **kwargs: the call's keyword arguments.
+
+    Returns:
+      A tuple of those Variables, in first-touch order.
+
+    Raises:
+      TypeError: if a static argument is not hashable, or a dynamic
+        argument or a Variable the call uses holds something other than
+        arrays.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import brainnx as bnx
+      >>> out, scale = nnx.Variable(jnp.zeros(())), nnx.Param(jnp.array(2.0))
+      >>> def f(x):
+      ...   out[...] = x * scale[...]
+      >>> bnx.StatefulFunction(f).get_write_states(1.0) == (out,)
+      True
+    """
     _, disc, trace = self._trace(args, kwargs)
     return tuple(disc.variables[i] for i in trace.written)
 
-  def get_out_shapes(self, *args, **kwargs):
-    """The return value's structure with ``jax.ShapeDtypeStruct`` leaves."""
+  def get_out_shapes(self, *args, **kwargs) -> Any:
+    """The return value's structure with ``jax.ShapeDtypeStruct`` leaves.
+
+    Args:
+      *args: the call's positional arguments (arrays,
+        ``jax.ShapeDtypeStruct``s, graph nodes, static values).
+      **kwargs: the call's keyword arguments.
+
+    Returns:
+      A pytree of the structure ``fun`` returns, each array leaf replaced
+      by its ``jax.ShapeDtypeStruct``.
+
+    Raises:
+      TypeError: if a static argument is not hashable, or a dynamic
+        argument or a Variable the call uses holds something other than
+        arrays.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import brainnx as bnx
+      >>> bnx.StatefulFunction(lambda x: {'sum': x.sum()}).get_out_shapes(jnp.ones((2, 3)))
+      {'sum': ShapeDtypeStruct(shape=(), dtype=float32)}
+    """
     return self._trace(args, kwargs)[2].out_shapes
 
-  def jaxpr_call(self, state_vals: Sequence, *args, **kwargs):
+  def jaxpr_call(self, state_vals: Sequence, *args, **kwargs) -> tuple[list, Any]:
     """Evaluate the cached jaxpr purely: ``(new_state_vals, out)``.
 
     ``state_vals`` are values for ``get_states(*args, **kwargs)``, in that
     order; the result holds a new value for each of them (the input value
     for states the call only reads). No Variable is changed.
+
+    Args:
+      state_vals: one value per :meth:`get_states` entry, in that order,
+        each with that Variable's shape and dtype.
+      *args: the call's positional arguments (arrays, graph nodes, static
+        values).
+      **kwargs: the call's keyword arguments.
+
+    Returns:
+      ``(new_state_vals, out)``: a list with the new value of each state
+      (in :meth:`get_states` order) and the function's output.
+
+    Raises:
+      ValueError: if ``state_vals`` does not have one value per state, or
+        a value's structure, shape or dtype differs from its state's.
+      TypeError: if a state value, a dynamic argument or a Variable the
+        call uses holds something other than arrays, or a static argument
+        is not hashable.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import brainnx as bnx
+      >>> count = nnx.Variable(jnp.array(0))
+      >>> def f(x):
+      ...   count[...] += 1
+      ...   return x + count[...]
+      >>> new_vals, out = bnx.StatefulFunction(f).jaxpr_call([jnp.array(10)], 1)
+      >>> int(new_vals[0]), int(out), int(count[...])
+      (11, 12, 0)
     """
     call, disc, trace = self._trace(args, kwargs)
     state_vals = list(state_vals)
@@ -544,8 +736,42 @@ class StatefulFunction:
     new_vals = [by_index.get(i, x) for i, x in zip(trace.states, state_vals)]
     return new_vals, trace.out_spec.rebuild(out_leaves, disc)
 
-  def __call__(self, *args, **kwargs):
-    """Run the traced computation on current values and write the results back."""
+  def __call__(self, *args, **kwargs) -> Any:
+    """Run the traced computation on current values and write the results back.
+
+    The cached jaxpr (traced now if needed) is evaluated on the Variables'
+    current values; written Variables get their new values, and Variables
+    the function creates and attaches to a reachable container are kept.
+    If evaluation fails, nothing is written.
+
+    Args:
+      *args: the call's positional arguments (arrays, graph nodes, static
+        values).
+      **kwargs: the call's keyword arguments.
+
+    Returns:
+      The function's output.
+
+    Raises:
+      TypeError: if a static argument is not hashable, or a dynamic
+        argument or a Variable the call uses holds something other than
+        arrays.
+      RuntimeError: if the call runs inside a JAX transform brainnx does
+        not manage (a raw ``jax.jit``, ``jax.vmap``, ...) and would leave a
+        tracer in a Variable.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import brainnx as bnx
+      >>> count = nnx.Variable(jnp.array(0))
+      >>> def f(x):
+      ...   count[...] += 1
+      ...   return x + count[...]
+      >>> sf = bnx.StatefulFunction(f)
+      >>> int(sf(1)), int(sf(1)), int(count[...])
+      (2, 3, 2)
+    """
     call, disc = self._prepare(args, kwargs)
     values = [_compat.raw_value(v) for v in disc.variables]
     contents = disc.snapshot()
@@ -563,11 +789,40 @@ class StatefulFunction:
     return trace.out_spec.rebuild(out_leaves, disc)
 
   def clear_cache(self) -> None:
-    """Forget every cached trace."""
+    """Forget every cached trace.
+
+    The next call with any arguments traces ``fun`` again.
+
+    Returns:
+      ``None``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import brainnx as bnx
+      >>> sf = bnx.StatefulFunction(lambda x: x * 2).make_jaxpr(jnp.ones(2))
+      >>> sf.clear_cache()
+      >>> sf.get_cache_stats()['jaxpr_cache']['size']
+      0
+    """
     self._cache.clear()
 
   def get_cache_stats(self) -> dict:
-    """``{'jaxpr_cache': {'size', 'maxsize', 'hits', 'misses', 'hit_rate'}}``."""
+    """``{'jaxpr_cache': {'size', 'maxsize', 'hits', 'misses', 'hit_rate'}}``.
+
+    Returns:
+      A dict with one entry, ``'jaxpr_cache'``: the number of cached traces
+      (``size``), the cache bound (``maxsize``), lookups that found a trace
+      (``hits``) or did not (``misses``), and ``hit_rate`` in percent.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import brainnx as bnx
+      >>> sf = bnx.StatefulFunction(lambda x: x * 2)
+      >>> _ = sf.get_jaxpr(jnp.ones(2)), sf.get_jaxpr(jnp.zeros(2))   # same signature
+      >>> stats = sf.get_cache_stats()['jaxpr_cache']
+      >>> stats['size'], stats['hits'], stats['misses'], stats['maxsize']
+      (1, 1, 1, 128)
+    """
     return {'jaxpr_cache': self._cache.stats()}
 
 
@@ -577,11 +832,36 @@ def make_jaxpr(
   static_argnames: str | Sequence[str] = (),
   return_shape: bool = False,
   return_only_write: bool = False,
-):
+) -> Callable[..., tuple]:
   """``make_jaxpr(f)(*args) -> (ClosedJaxpr, states[, out_shapes])``.
 
   Like ``jax.make_jaxpr``, with the Variables ``f`` touches as the leading
-  inputs (and, by default, leading outputs).
+  inputs (and, by default, leading outputs). No Variable is changed.
+
+  Args:
+    fun: the function; it may read and write the Variables it reaches (see
+      :class:`StatefulFunction`).
+    static_argnums: an int or ints: positions of hashable arguments baked
+      into the trace. Default ``()``.
+    static_argnames: a name or names of such arguments. Default ``()``.
+    return_shape: also return the output's structure with
+      ``jax.ShapeDtypeStruct`` leaves. Default ``False``.
+    return_only_write: the jaxpr's leading outputs are only the written
+      states' values. Default ``False``: every touched state's value.
+
+  Returns:
+    A function taking ``fun``'s arguments (arrays or
+    ``jax.ShapeDtypeStruct``s) and returning ``(closed_jaxpr, states)``, or
+    ``(closed_jaxpr, states, out_shapes)`` with ``return_shape``;
+    ``states`` is the tuple of touched Variables, in the jaxpr's input order.
+
+  Raises:
+    TypeError: if ``fun`` is not callable or an argnum is not an int; when
+      the returned function is called, if a static argument is not hashable
+      or a dynamic argument or Variable holds something other than arrays.
+    ValueError: if an argnum is negative, ``static_argnums`` is beyond
+      ``fun``'s positional parameters, or a ``static_argnames`` entry is not
+      one of its parameters.
 
   Example:
     >>> import jax.numpy as jnp
