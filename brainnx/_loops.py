@@ -20,7 +20,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,7 @@ from brainnx import _compat
 from brainnx._arguments import CallArgs
 from brainnx._discovery import Discovery, discover, is_graph_node
 from brainnx._eager import run
+from brainnx._filters import AxisRules
 from brainnx._progress import ProgressBar, check_pbar, runner_for
 from brainnx._tracing import Trace, abstract_args, abstract_states, aval_key, trace_call, write_values
 
@@ -92,14 +93,18 @@ class _Body:
   error naming it.
   """
 
-  def __init__(self, f: Callable, args: tuple, name: str, disc: Discovery | None = None):
+  def __init__(self, f: Callable, args: tuple, name: str, disc: Discovery | None = None, sliced: tuple = ()):
     self.f, self.name = f, name
     self.call = CallArgs.split(args, {})
     self.disc = disc if disc is not None else discover(f, args, {})
     self.values = [_compat.raw_value(v) for v in self.disc.variables]
+    self.sliced = tuple(sliced)  # Variables stacked on axis 0 that each step sees one slice of
     self._dyn_def = jax.tree.structure(list(self.call.dyn))
     self._traces: dict = {}
-    self.trace = self._trace_for(abstract_states(self.disc, self.values), abstract_args(self.call.dyn))
+    avals = abstract_states(self.disc, self.values)
+    for i in self.sliced:
+      avals[i] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype, weak_type=a.weak_type), avals[i])
+    self.trace = self._trace_for(avals, abstract_args(self.call.dyn))
     if self.trace.new_vars or any(s[0] == 'new' for s in self.trace.out_spec.slots):
       raise ValueError(
         f'{name}: the loop body creates Variables or Modules; create them before the loop '
@@ -116,21 +121,31 @@ class _Body:
 
   @property
   def written(self) -> tuple[int, ...]:
-    return self.trace.written
+    """Written Variables that travel in the carry (sliced ones come out stacked instead)."""
+    return tuple(i for i in self.trace.written if i not in self.sliced)
 
   def initial_written(self) -> list:
     return [jax.tree.map(_strong, self.values[i]) for i in self.written]
 
   def run(self, carried: list, dyn_leaves: list) -> tuple[list, list]:
     """Evaluate: ``(new written values, output leaves)``, carried values keeping their types."""
+    new, out_leaves, _ = self.run_step(carried, dyn_leaves, ())
+    return new, out_leaves
+
+  def run_step(self, carried: list, dyn_leaves: list, slices: Sequence) -> tuple[list, list, list]:
+    """``run`` with this step's slices of the sliced Variables; also returns their new slices."""
     pos = {i: k for k, i in enumerate(self.written)}
-    states = [carried[pos[i]] if i in pos else x for i, x in enumerate(self.values)]
+    at = {i: k for k, i in enumerate(self.sliced)}
+    states = [carried[pos[i]] if i in pos else slices[at[i]] if i in at else x for i, x in enumerate(self.values)]
     dyn = jax.tree.unflatten(self._dyn_def, list(dyn_leaves))
     trace = self._trace_for(abstract_states(self.disc, states), abstract_args(dyn))
-    if trace.written != self.written:
+    if trace.written != self.trace.written:
       raise ValueError(f'{self.name}: the body writes other Variables when traced again with new input types')
     outs, _, out_leaves = trace.run([states[i] for i in trace.states], dyn_leaves)
-    return [self._keep_type(o, c, i) for o, c, i in zip(outs, carried, self.written)], out_leaves
+    new = dict(zip(trace.written, outs))
+    carried_out = [self._keep_type(new[i], c, i) for c, i in zip(carried, self.written)]
+    slices_out = [self._keep_type(new[i], s, i) if i in new else s for s, i in zip(slices, self.sliced)]
+    return carried_out, out_leaves, slices_out
 
   def run_readonly(self, values: list, dyn_leaves: list) -> list:
     """Output leaves for the given value of every discovered Variable (a body that writes nothing)."""
@@ -193,10 +208,36 @@ def _step_example(xs):
   return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), xs)
 
 
-def _scan_parts(f, init, xs, name):
-  body = _Body(f, (init, _step_example(xs)), name)
+def _scan_parts(f, init, xs, name, state_in_axes=None):
+  args = (init, _step_example(xs))
+  disc = discover(f, args, {})
+  sliced = _sliced(disc, state_in_axes, name)
+  body = _Body(f, args, name, disc, sliced)
   n_carry = _pair_layout(body, init)
   return body, n_carry
+
+
+def _sliced(disc: Discovery, state_in_axes, name: str) -> tuple[int, ...]:
+  """Indices of the Variables ``state_in_axes`` scans over (stacked on axis 0)."""
+  if state_in_axes is None:
+    return ()
+  rules = AxisRules(dict(state_in_axes), 'state_in_axes')
+  sliced = []
+  for i, (path, var) in enumerate(zip(disc.paths, disc.variables)):
+    hit, axis = rules.axis_of(path, var)
+    if hit and axis is not None:
+      if axis != 0:
+        raise ValueError(f'{name}: state_in_axes scans over axis 0 only; {disc.describe(i)} is given axis {axis}')
+      sliced.append(i)
+  return tuple(sliced)
+
+
+def _rules_key(state_in_axes):
+  """``state_in_axes`` as a hashable tuple of ``(axis, filter)`` (the eager cache's key)."""
+  if state_in_axes is None:
+    return None
+  items = state_in_axes.items() if isinstance(state_in_axes, dict) else [(0, state_in_axes)]
+  return tuple((axis, tuple(f) if isinstance(f, list) else f) for axis, f in items)
 
 
 def _in_python() -> bool:
@@ -234,7 +275,8 @@ def _python_scan(f, init, xs, n, reverse, runner):
 
 
 def scan(
-  f: Callable, init: Any, xs: Any, length: int | None = None, reverse: bool = False, unroll: int | bool = 1, pbar=None
+  f: Callable, init: Any, xs: Any, length: int | None = None, reverse: bool = False, unroll: int | bool = 1, pbar=None,
+  state_in_axes: Any = None,
 ) -> tuple[Any, Any]:
   """``jax.lax.scan`` for a body that reads and writes Variables.
 
@@ -254,6 +296,10 @@ def scan(
       Default ``1``.
     pbar: a :class:`ProgressBar`, or an int update frequency. Default
       ``None``: no bar.
+    state_in_axes: a filter (or ``{0: filter}``) of Variables stacked on axis 0 to scan
+      over: step ``i`` sees slice ``i`` of each, and its writes are stacked back (the "scan
+      over layers" of a model built with ``vmap(lambda: Block(rngs), axis_size=L)()``).
+      Without ``xs`` or ``length`` the loop runs over their leading axis.
 
   Returns:
     ``(carry, ys)``: the final carry and every step's ``y`` stacked along a
@@ -277,32 +323,55 @@ def scan(
   """
   _check_callable(f, 'scan')
   bar, rest = _split_pbar(pbar)
-  return run(_scan_impl, (f, bar), (length, reverse, unroll, rest), (init, xs))
+  return run(_scan_impl, (f, bar), (length, reverse, unroll, rest, _rules_key(state_in_axes)), (init, xs))
 
 
-def _scan_impl(f, bar, init, xs, length, reverse, unroll, pbar):
+def _scan_impl(f, bar, init, xs, length, reverse, unroll, pbar, state_in_axes=None):
+  if state_in_axes is not None and length is None and not jax.tree.leaves(xs):
+    length = _stacked_length(f, init, xs, state_in_axes)
   n = leading_length(xs, length, 'scan')
   runner = runner_for(bar or pbar, n)
-  if _in_python():
+  if _in_python() and state_in_axes is None:
     return _all_or_nothing(f, (init, xs), lambda: _python_scan(f, init, xs, n, reverse, runner))
-  body, n_carry = _scan_parts(f, init, xs, 'scan')
+  body, n_carry = _scan_parts(f, init, xs, 'scan', state_in_axes)
+  stacked = [body.values[i] for i in body.sliced]
+  for i, value in zip(body.sliced, stacked):
+    sizes = {jnp.shape(leaf)[0] if jnp.ndim(leaf) else None for leaf in jax.tree.leaves(value)}
+    if sizes != {n}:
+      raise ValueError(
+        f'scan: {body.disc.describe(i)} is scanned over (state_in_axes) but its leading axis is '
+        f'{sorted(sizes, key=str)}, not the loop length {n}'
+      )
 
-  def step(carry, x_leaves):
-    written, leaves, counter = carry
-    written, out = body.run(written, leaves + x_leaves)
+  def step(carry, x):
+    (written, leaves, counter), (x_leaves, slices) = carry, x
+    written, out, slices = body.run_step(written, leaves + x_leaves, slices)
     new_leaves, y = out[:n_carry], out[n_carry:]
     if runner:
       run_id, i = counter
       runner.step(run_id, i, _rebuild_part(body, out, 0), _rebuild_part(body, out, 1))
       counter = (run_id, i + 1)
-    return (written, new_leaves, counter), y
+    return (written, new_leaves, counter), (y, slices)
 
   counter = (runner.start(), jnp.int32(0)) if runner else None
-  (written, leaves, _), ys = jax.lax.scan(
-    step, (body.initial_written(), _dyn_leaves(init), counter), _dyn_leaves(xs), length=n, reverse=reverse, unroll=unroll
+  (written, leaves, _), (ys, slices) = jax.lax.scan(
+    step, (body.initial_written(), _dyn_leaves(init), counter), (_dyn_leaves(xs), stacked),
+    length=n, reverse=reverse, unroll=unroll,
   )
   body.write_back(written)
+  sliced_written = [k for k, i in enumerate(body.sliced) if i in body.trace.written]
+  write_values(body.disc, [body.sliced[k] for k in sliced_written], [slices[k] for k in sliced_written])
   return body.trace.out_spec.rebuild(list(leaves) + list(ys), body.disc)
+
+
+def _stacked_length(f, init, xs, state_in_axes) -> int:
+  """The loop length a scan over stacked Variables alone takes: their leading axis."""
+  disc = discover(f, (init, xs), {})
+  for i in _sliced(disc, state_in_axes, 'scan'):
+    leaves = jax.tree.leaves(_compat.raw_value(disc.variables[i]))
+    if leaves and jnp.ndim(leaves[0]):
+      return int(jnp.shape(leaves[0])[0])
+  return None
 
 
 def _rebuild_part(body: _Body, leaves, which: int):
@@ -322,7 +391,8 @@ def _for_body(f):
 
 
 def for_loop(
-  f: Callable, *xs, length: int | None = None, reverse: bool = False, unroll: int | bool = 1, pbar=None
+  f: Callable, *xs, length: int | None = None, reverse: bool = False, unroll: int | bool = 1, pbar=None,
+  state_in_axes: Any = None,
 ) -> Any:
   """Apply ``f(*x)`` over the leading axis of ``xs``; returns the stacked outputs.
 
@@ -341,6 +411,10 @@ def for_loop(
       Default ``1``.
     pbar: a :class:`ProgressBar`, or an int update frequency. Default
       ``None``: no bar.
+    state_in_axes: a filter (or ``{0: filter}``) of Variables stacked on axis 0 to scan
+      over: step ``i`` sees slice ``i`` of each, and its writes are stacked back (the "scan
+      over layers" of a model built with ``vmap(lambda: Block(rngs), axis_size=L)()``).
+      Without ``xs`` or ``length`` the loop runs over their leading axis.
 
   Returns:
     ``f``'s outputs for every step, stacked along a new leading axis.
@@ -361,12 +435,12 @@ def for_loop(
   """
   _check_callable(f, 'for_loop')
   bar, rest = _split_pbar(pbar)
-  return run(_for_impl, (f, bar), (length, reverse, unroll, rest), xs)
+  return run(_for_impl, (f, bar), (length, reverse, unroll, rest, _rules_key(state_in_axes)), xs)
 
 
 def _for_impl(f, bar, *args):
-  *xs, length, reverse, unroll, pbar = args
-  return _scan_impl(_for_body(f), bar, None, tuple(xs), length, reverse, unroll, pbar)[1]
+  *xs, length, reverse, unroll, pbar, state_in_axes = args
+  return _scan_impl(_for_body(f), bar, None, tuple(xs), length, reverse, unroll, pbar, state_in_axes)[1]
 
 
 # -- checkpointed loops -------------------------------------------------------------
