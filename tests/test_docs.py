@@ -1,0 +1,189 @@
+"""The documentation: the Sphinx site builds, links resolve, the reference covers the API.
+
+The site is built from the stored notebook outputs (``nb_execution_mode = 'off'``
+in ``docs/conf.py``); the notebooks themselves are executed by nbmake.
+"""
+
+import importlib.metadata
+import inspect
+import json
+import pathlib
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+import brainnx as bnx
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / 'docs'
+NOTEBOOKS = sorted((DOCS / 'notebooks').glob('*.ipynb'))
+PAGES = sorted(DOCS.glob('*.md'))
+API = (DOCS / 'api.md').read_text()
+
+
+# -- the site -------------------------------------------------------------------------
+
+
+def test_sphinx_build_has_no_warnings(tmp_path):
+  out = subprocess.run(
+    [sys.executable, '-m', 'sphinx', '-W', '--keep-going', '-E', '-q', '-b', 'html', str(DOCS), str(tmp_path)],
+    capture_output=True, text=True, timeout=600,
+  )
+  assert out.returncode == 0, out.stdout + out.stderr
+  for page in ['index', 'getting-started', 'api', 'comparison'] + [f'notebooks/{p.stem}' for p in NOTEBOOKS]:
+    assert (tmp_path / f'{page}.html').exists(), page
+  # the notebooks' stored plots are in the site
+  for name in ('02_ensembles_with_optax', '05_checkpointing'):
+    assert '<img' in (tmp_path / 'notebooks' / f'{name}.html').read_text(), name
+
+
+# -- links ----------------------------------------------------------------------------
+
+
+def _markdown_sources():
+  """(file, markdown text) for the READMEs, the doc pages and the notebooks' markdown cells."""
+  yield ROOT / 'README.md', (ROOT / 'README.md').read_text()
+  yield ROOT / 'tests' / 'README.md', (ROOT / 'tests' / 'README.md').read_text()
+  for page in PAGES:
+    yield page, page.read_text()
+  for nb in NOTEBOOKS:
+    cells = json.loads(nb.read_text())['cells']
+    yield nb, '\n'.join(''.join(c['source']) for c in cells if c['cell_type'] == 'markdown')
+
+
+def _links(text: str) -> list[str]:
+  text = re.sub(r'```.*?```', '', text, flags=re.S)  # code blocks hold no links
+  text = re.sub(r'`[^`\n]*`', '', text)
+  return re.findall(r'\]\(([^)\s]+)\)', text) + re.findall(r'(?:href|src)="([^"]+)"', text)
+
+
+def _slug(heading: str) -> str:
+  """GitHub's (and MyST's ``myst_heading_anchors``) anchor for a heading."""
+  text = re.sub(r'\[([^\]]*)\]\([^)]*\)', r'\1', heading.strip()).lower()
+  return re.sub(r'[^\w\- ]', '', text).replace(' ', '-')
+
+
+def _anchors(path: pathlib.Path) -> set[str]:
+  text = re.sub(r'```.*?```', '', path.read_text(), flags=re.S)
+  return {_slug(h) for h in re.findall(r'^#{1,6} +(.+?) *$', text, flags=re.M)}
+
+
+@pytest.mark.parametrize('source,text', list(_markdown_sources()), ids=lambda x: getattr(x, 'name', ''))
+def test_every_link_resolves_inside_the_repository(source, text):
+  assert '../shared' not in text, f'{source} points outside the repository'
+  for link in _links(text):
+    if re.match(r'[a-z]+://', link) or link.startswith('mailto:'):
+      continue  # external: not checked here (no network)
+    target, _, anchor = link.partition('#')
+    path = (source.parent / target).resolve() if target else source
+    assert path.is_relative_to(ROOT), f'{source.name}: {link} leaves the repository'
+    assert path.exists(), f'{source.name}: {link} does not exist'
+    if anchor and path.suffix == '.md':
+      assert anchor in _anchors(path), f'{source.name}: {link}: no heading #{anchor} in {path.name}'
+
+
+def test_link_checker_catches_bad_links(tmp_path):
+  assert _links('[a](x.md) `[b](y.md)` <img src="z.png">') == ['x.md', 'z.png']
+  assert _slug('`vmap_new_states`') == 'vmap_new_states' and _slug('Run the demo') == 'run-the-demo'
+  assert _slug('Terms and rules every transform keeps') in _anchors(DOCS / 'api.md')
+
+
+# -- the API reference ----------------------------------------------------------------
+
+
+def _documented_signature(name: str) -> list[str]:
+  """Parameter names in the reference's signature block for ``name``."""
+  found = re.search(r'```py\n(?:class )?bnx\.' + re.escape(name) + r'\((.*?)\)\s*\n```', API, flags=re.S)
+  assert found, f'docs/api.md has no signature block for {name}'
+  params = []
+  for part in found.group(1).replace('\n', ' ').split(','):
+    part = part.strip().split('=')[0].strip().lstrip('*')
+    if part:
+      params.append(part)
+  return params
+
+
+@pytest.mark.parametrize('name', sorted(bnx.__all__))
+def test_reference_documents_every_public_name_and_parameter(name):
+  assert re.search(r'^### `' + re.escape(name) + '`$', API, flags=re.M), f'no section for {name}'
+  obj = getattr(bnx, name)
+  if isinstance(obj, type) and issubclass(obj, Exception):
+    return
+  target = obj.__init__ if isinstance(obj, type) else obj
+  actual = [p for p in inspect.signature(target).parameters if p != 'self']
+  assert _documented_signature(name) == actual, f'docs/api.md documents {name} with other parameters'
+
+
+def _python_blocks(text: str) -> list[str]:
+  return re.findall(r'```python\n(.*?)```', text, flags=re.S)
+
+
+def _prelude() -> dict:
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from flax import nnx
+
+  return {'jax': jax, 'jnp': jnp, 'nnx': nnx, 'optax': optax, 'bnx': bnx}
+
+
+def test_reference_examples_run():
+  namespace = _prelude()
+  blocks = _python_blocks(API)
+  assert len(blocks) >= 10
+  for block in blocks:
+    exec(block, namespace)
+
+
+def test_getting_started_code_runs(capsys):
+  namespace = {}
+  for block in _python_blocks((DOCS / 'getting-started.md').read_text()):
+    exec(block, namespace)
+  assert int(namespace['optimizer'].step[...]) == 3 and int(namespace['counter'][...]) == 2
+  assert capsys.readouterr().out.split()[-2:] == ['4', '1']
+
+
+def test_comparison_blocks_run():
+  from test_readme import prelude
+
+  blocks = _python_blocks((DOCS / 'comparison.md').read_text())
+  assert len(blocks) == 2
+  for block in blocks:
+    namespace = prelude()
+    exec(block, namespace)
+    assert namespace['loss'].shape == (8,) and len(set(map(float, namespace['loss']))) == 8
+
+
+# -- notebooks and packaging ----------------------------------------------------------
+
+
+@pytest.mark.parametrize('path', NOTEBOOKS, ids=lambda p: p.name)
+def test_notebooks_are_stored_with_outputs(path):
+  assert path.stat().st_size < 400_000, 'keep stored outputs small'
+  cells = [c for c in json.loads(path.read_text())['cells'] if c['cell_type'] == 'code']
+  assert cells and all(c['execution_count'] is not None for c in cells), 'execute the notebook before committing'
+  counts = [c['execution_count'] for c in cells]
+  assert counts == list(range(1, len(cells) + 1)), 'run top to bottom in a fresh kernel'
+  outputs = [o for c in cells for o in c['outputs']]
+  assert not [o for o in outputs if o['output_type'] == 'error']
+  if path.stem in ('02_ensembles_with_optax', '05_checkpointing'):
+    assert any('image/png' in o.get('data', {}) for o in outputs), 'the plot is stored'
+
+
+def test_version_and_metadata():
+  meta = importlib.metadata.metadata('brainnx')
+  assert bnx.__version__ == importlib.metadata.version('brainnx') == meta['Version']
+  assert meta['Author'] or meta['Author-email']
+  urls = dict(u.split(', ', 1) for u in meta.get_all('Project-URL'))
+  assert {'Homepage', 'Documentation', 'Source'} <= set(urls)
+  assert len(meta.get_all('Classifier')) >= 5
+
+
+def test_dev_extra_installs_notebook_and_docs_tools():
+  project = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']
+  dev = {re.split(r'[<>=\[ ]', d)[0].lower() for d in project['optional-dependencies']['dev']}
+  assert {'pytest', 'nbmake', 'nbconvert', 'notebook', 'ipykernel', 'matplotlib', 'sphinx', 'myst-nb'} <= dev
+  assert not any(d.startswith('matplotlib') for d in project['dependencies'])  # the demo runs without it
