@@ -31,7 +31,7 @@ from brainnx._discovery import Discovery, discover, is_graph_node
 from brainnx._eager import run
 from brainnx._filters import AxisRules
 from brainnx._progress import ProgressBar, check_pbar, runner_for
-from brainnx._tracing import Trace, abstract_args, abstract_states, aval_key, trace_call, write_values
+from brainnx._tracing import Trace, abstract_args, abstract_states, adopt_new, aval_key, trace_call, write_values
 
 __all__ = [
   'scan', 'for_loop', 'checkpointed_scan', 'checkpointed_for_loop', 'while_loop', 'fori_loop',
@@ -93,8 +93,10 @@ class _Body:
   error naming it.
   """
 
-  def __init__(self, f: Callable, args: tuple, name: str, disc: Discovery | None = None, sliced: tuple = ()):
+  def __init__(self, f: Callable, args: tuple, name: str, disc: Discovery | None = None, sliced: tuple = (),
+               keep_new: bool = False):
     self.f, self.name = f, name
+    self.keep_new = keep_new  # Variables the body creates (Module.sow) come out stacked per step
     self.call = CallArgs.split(args, {})
     self.disc = disc if disc is not None else discover(f, args, {})
     self.values = [_compat.raw_value(v) for v in self.disc.variables]
@@ -104,8 +106,8 @@ class _Body:
     avals = abstract_states(self.disc, self.values)
     for i in self.sliced:
       avals[i] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype, weak_type=a.weak_type), avals[i])
-    self.trace = self._trace_for(avals, abstract_args(self.call.dyn))
-    if self.trace.new_vars or any(s[0] == 'new' for s in self.trace.out_spec.slots):
+    self.trace = self.last_trace = self._trace_for(avals, abstract_args(self.call.dyn))
+    if (self.trace.new_vars and not keep_new) or any(s[0] == 'new' for s in self.trace.out_spec.slots):
       raise ValueError(
         f'{name}: the loop body creates Variables or Modules; create them before the loop '
         '(or use brainnx.vmap_new_states outside it) and only update them inside'
@@ -115,7 +117,7 @@ class _Body:
     key = (aval_key(state_avals), aval_key(dyn_avals))
     trace = self._traces.get(key)
     if trace is None:
-      trace = trace_call(self.f, self.disc, self.call, state_avals, dyn_avals, keep_new=False)
+      trace = trace_call(self.f, self.disc, self.call, state_avals, dyn_avals, keep_new=self.keep_new)
       self._traces[key] = trace
     return trace
 
@@ -129,11 +131,12 @@ class _Body:
 
   def run(self, carried: list, dyn_leaves: list) -> tuple[list, list]:
     """Evaluate: ``(new written values, output leaves)``, carried values keeping their types."""
-    new, out_leaves, _ = self.run_step(carried, dyn_leaves, ())
+    new, out_leaves, _, _ = self.run_step(carried, dyn_leaves, ())
     return new, out_leaves
 
-  def run_step(self, carried: list, dyn_leaves: list, slices: Sequence) -> tuple[list, list, list]:
-    """``run`` with this step's slices of the sliced Variables; also returns their new slices."""
+  def run_step(self, carried: list, dyn_leaves: list, slices: Sequence) -> tuple[list, list, list, list]:
+    """``run`` with this step's slices of the sliced Variables; also returns their new slices
+    and the values of Variables the step created."""
     pos = {i: k for k, i in enumerate(self.written)}
     at = {i: k for k, i in enumerate(self.sliced)}
     states = [carried[pos[i]] if i in pos else slices[at[i]] if i in at else x for i, x in enumerate(self.values)]
@@ -141,11 +144,12 @@ class _Body:
     trace = self._trace_for(abstract_states(self.disc, states), abstract_args(dyn))
     if trace.written != self.trace.written:
       raise ValueError(f'{self.name}: the body writes other Variables when traced again with new input types')
-    outs, _, out_leaves = trace.run([states[i] for i in trace.states], dyn_leaves)
+    outs, created, out_leaves = trace.run([states[i] for i in trace.states], dyn_leaves)
+    self.last_trace = trace
     new = dict(zip(trace.written, outs))
     carried_out = [self._keep_type(new[i], c, i) for c, i in zip(carried, self.written)]
     slices_out = [self._keep_type(new[i], s, i) if i in new else s for s, i in zip(slices, self.sliced)]
-    return carried_out, out_leaves, slices_out
+    return carried_out, out_leaves, slices_out, created
 
   def run_readonly(self, values: list, dyn_leaves: list) -> list:
     """Output leaves for the given value of every discovered Variable (a body that writes nothing)."""
@@ -212,7 +216,7 @@ def _scan_parts(f, init, xs, name, state_in_axes=None):
   args = (init, _step_example(xs))
   disc = discover(f, args, {})
   sliced = _sliced(disc, state_in_axes, name)
-  body = _Body(f, args, name, disc, sliced)
+  body = _Body(f, args, name, disc, sliced, keep_new=name == 'scan')
   n_carry = _pair_layout(body, init)
   return body, n_carry
 
@@ -301,6 +305,9 @@ def scan(
       over layers" of a model built with ``vmap(lambda: Block(rngs), axis_size=L)()``).
       Without ``xs`` or ``length`` the loop runs over their leading axis.
 
+  Variables the body creates and attaches (``Module.sow`` of an ``nnx.Intermediate``) come
+  out stacked over the steps, as ``nnx.scan`` gives them with a scanned-out axis.
+
   Returns:
     ``(carry, ys)``: the final carry and every step's ``y`` stacked along a
     new leading axis.
@@ -345,22 +352,23 @@ def _scan_impl(f, bar, init, xs, length, reverse, unroll, pbar, state_in_axes=No
 
   def step(carry, x):
     (written, leaves, counter), (x_leaves, slices) = carry, x
-    written, out, slices = body.run_step(written, leaves + x_leaves, slices)
+    written, out, slices, created = body.run_step(written, leaves + x_leaves, slices)
     new_leaves, y = out[:n_carry], out[n_carry:]
     if runner:
       run_id, i = counter
       runner.step(run_id, i, _rebuild_part(body, out, 0), _rebuild_part(body, out, 1))
       counter = (run_id, i + 1)
-    return (written, new_leaves, counter), (y, slices)
+    return (written, new_leaves, counter), (y, slices, created)
 
   counter = (runner.start(), jnp.int32(0)) if runner else None
-  (written, leaves, _), (ys, slices) = jax.lax.scan(
+  (written, leaves, _), (ys, slices, created) = jax.lax.scan(
     step, (body.initial_written(), _dyn_leaves(init), counter), (_dyn_leaves(xs), stacked),
     length=n, reverse=reverse, unroll=unroll,
   )
   body.write_back(written)
   sliced_written = [k for k, i in enumerate(body.sliced) if i in body.trace.written]
   write_values(body.disc, [body.sliced[k] for k in sliced_written], [slices[k] for k in sliced_written])
+  adopt_new(body.last_trace.new_vars, body.last_trace.new_nodes, created)  # stacked over the steps
   return body.trace.out_spec.rebuild(list(leaves) + list(ys), body.disc)
 
 

@@ -128,10 +128,17 @@ def test_scan_refuses_shape_change_and_new_variables():
   v = nnx.Variable(jnp.zeros(2))
   with pytest.raises(ValueError, match=r"Variable at \('v',\) changes shape"):
     bnx.scan(lambda c, x: (v.set_value(jnp.zeros(3)), None), None, jnp.ones(3))
+  assert no_tracers(v)
+
+
+def test_variables_created_in_a_scan_body_come_out_stacked_per_step():
   holder = nnx.Dict()
-  with pytest.raises(ValueError, match='creates Variables'):
-    bnx.scan(lambda c, x: (holder.__setitem__('h', nnx.Variable(x)), None), None, jnp.ones(3))
-  assert 'h' not in holder and no_tracers(v)
+  xs = jnp.arange(3.0)
+  bnx.scan(lambda c, x: (holder.__setitem__('h', nnx.Variable(x * 2)), None), None, xs)
+  assert no_tracers(holder)
+  np.testing.assert_array_equal(holder['h'][...], jax.lax.scan(lambda c, x: (c, x * 2), None, xs)[1])
+  with pytest.raises(ValueError, match='creates Variables'):  # other loops still refuse them
+    bnx.while_loop(lambda c: c < 2, lambda c: (holder.__setitem__('w', nnx.Variable(c)), c + 1)[1], 0)
 
 
 def test_exception_in_body_leaves_state_exact():

@@ -230,3 +230,16 @@ def test_train_and_eval_between_calls():
   assert bool(jnp.any(f(jnp.ones(8)) == 0))
   m.eval()
   np.testing.assert_array_equal(f(jnp.ones(8)), jnp.ones(8))
+
+
+@pytest.mark.filterwarnings('ignore::DeprecationWarning')
+def test_sow_inside_scan_comes_out_stacked_with_the_loops_values():
+  ours, theirs = Sower(), Sower()
+  xs = jnp.arange(6.0).reshape(3, 2)
+  bnx.scan(lambda c, x: (c + ours(x).sum(), None), 0.0, xs)
+  for x in xs:  # oracle: the same steps as a Python loop under nnx.jit
+    nnx.jit(lambda m, x: m(x))(theirs, x)
+  (stacked,) = nnx.pop(ours, nnx.Intermediate)['h'].get_value()
+  per_step = nnx.pop(theirs, nnx.Intermediate)['h'].get_value()
+  assert isinstance(stacked, jax.Array) and not isinstance(stacked, jax.core.Tracer)
+  np.testing.assert_allclose(stacked, jnp.stack(per_step), rtol=1e-6)
