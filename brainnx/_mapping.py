@@ -405,9 +405,11 @@ def _warn_identical_members(cfg: MapConfig, spec, leaves: list, axes: list, batc
       params = []
       for (path, var), (leaf, axis) in zip(slot[4], [next(it) for _ in slot[4]]):
         if isinstance(var, nnx.Param) and axis is not None:
-          params.append((path, var, batched(leaf)))
-      if params and not any(b for _, _, b in params):
-        path, var, _ = params[0]
+          params.append((path, var, batched(leaf), jnp.ndim(leaf) >= 2))
+      # a kernel (2-D or more, randomly initialised in flax) the same for every member is the
+      # sign; a constant scale or zero bias alone (nnx.BatchNorm) is not
+      if params and not any(p[2] for p in params) and any(p[3] for p in params):
+        path, var, _, _ = next(p for p in params if p[3])
         warnings.warn(
           f'{cfg.name}: no Param of the {slot[1].type.__name__ if hasattr(slot[1], "type") else "Module"} '
           f'created inside depends on the batch, so all members are identical (first: '

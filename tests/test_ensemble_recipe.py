@@ -24,9 +24,17 @@ class MLP(nnx.Module):
 
 
 def test_identical_members_warn_and_name_the_fix():
-  with pytest.warns(UserWarning, match=r"all members are identical \(first: Param at \('l1', 'bias'\)\).*create it outside"):
+  with pytest.warns(UserWarning, match=r"all members are identical \(first: Param at \('l1', 'kernel'\)\).*create it outside"):
     same = bnx.vmap(lambda: MLP(nnx.Rngs(0)), axis_size=4)()
   assert bool(jnp.all(same.l1.kernel[...] == same.l1.kernel[0]))  # what the warning is about
+
+
+def test_no_warning_for_constant_initialised_params():
+  """A zero bias or unit scale alone is not a sign: nnx.BatchNorm made inside vmap is fine."""
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    norms = bnx.vmap(lambda: nnx.BatchNorm(3, rngs=nnx.Rngs(0)), axis_size=4)()
+  assert norms.scale.shape == (4, 3)
 
 
 def test_no_warning_with_an_outer_rngs_or_a_declared_shared_copy():

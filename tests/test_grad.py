@@ -136,7 +136,8 @@ def test_non_differentiable_selection_is_named():
 
 
 def test_composes_with_vmap_and_scan(model):
-  ens = bnx.vmap(lambda: MLP(3, 5, 2, rngs=nnx.Rngs(0)), axis_size=3)()
+  rngs = nnx.Rngs(0)
+  ens = bnx.vmap(lambda: MLP(3, 5, 2, rngs=rngs), axis_size=3)()
   g = bnx.vmap(
     lambda x: bnx.grad(lambda x: ((ens(x) - Y) ** 2).mean(), grad_states=ens)(x), in_axes=None, state_in_axes={0: nnx.Param}
   )(X)
