@@ -25,7 +25,7 @@ import jax
 
 from brainnx import _compat
 from brainnx._caches import WeakCache
-from brainnx._jit import JitOptions, JittedFunction
+from brainnx._jit import JitOptions, JittedFunction, weak_or_strong
 
 __all__ = ['eager', 'run']
 
@@ -111,7 +111,4 @@ def _ref(obj):
     return lambda: None
   if isinstance(obj, types.MethodType):
     return weakref.WeakMethod(obj)
-  try:
-    return weakref.ref(obj)
-  except TypeError:
-    return lambda: obj
+  return weak_or_strong(obj)

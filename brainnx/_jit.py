@@ -96,7 +96,7 @@ class _Plan:
     self.donated = donated  # discovery indices whose buffers the program may reuse
     self.kept = tuple(i for i in range(len(disc.variables)) if i not in set(donated))
     self.call = dataclasses.replace(call, refs=())  # held weakly below
-    self.ref_refs = tuple(weakref.ref(x, on_drop) if _weakrefable(x) else _Strong(x) for x in call.refs)
+    self.ref_refs = tuple(weak_or_strong(x, on_drop) for x in call.refs)
     self.carrier = _PlanRef(self)
     self.variables = disc.variables
     self.warm = _warm_call(self)
@@ -155,12 +155,12 @@ class _Strong:
     return self.obj
 
 
-def _weakrefable(x) -> bool:
+def weak_or_strong(x, callback=None):
+  """``weakref.ref(x, callback)``, or a strong stand-in when ``x`` cannot be weakly referenced."""
   try:
-    weakref.ref(x)
+    return weakref.ref(x, callback)
   except TypeError:
-    return False
-  return True
+    return _Strong(x)
 
 
 def _warm_call(plan: _Plan):
