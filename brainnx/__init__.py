@@ -12,6 +12,7 @@ from brainnx._map import map
 from brainnx._mapping import vmap, vmap_new_states
 from brainnx._pmap import pmap
 from brainnx._remat import checkpoint, remat
+from brainnx._shard_map import shard_map
 from brainnx._tracing import StatefulFunction, make_jaxpr
 
 def _version() -> str:
@@ -50,6 +51,7 @@ __all__ = [
   'pmap',
   'remat',
   'scan',
+  'shard_map',
   'switch',
   'vjp',
   'vmap',

@@ -39,6 +39,7 @@ from brainnx._arguments import ArgKind, CallArgs, StaticArgs, normalize_argnums
 from brainnx._caches import LRUCache
 from brainnx._discovery import Discovery, discover, holds_graph_node
 from brainnx._filters import to_filter
+from brainnx._sharding import Rules, arg_specs, constrain, layout_of, place
 from brainnx._tracing import TRACE_LOCK, StatefulFunction, Trace, abstract_states, adopt_new, write_values
 
 __all__ = ['jit', 'JittedFunction', 'JitOptions']
@@ -46,6 +47,16 @@ __all__ = ['jit', 'JittedFunction', 'JitOptions']
 _FAST_DYN = (_compat.ArrayImpl, int, float, bool, complex)
 _raw_value = _compat.raw_value
 _MISS = object()
+
+
+class _NotGiven:
+  """The default of ``in_shardings``/``out_shardings``: leave them to ``jax.jit``."""
+
+  def __repr__(self) -> str:
+    return 'NOT_GIVEN'
+
+
+NOT_GIVEN = _NotGiven()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +67,13 @@ class JitOptions:
   donate_argnums: tuple[int, ...] = ()
   donate_states: Any = None  # a filter, or True: every written Variable
   jax_kwargs: tuple[tuple[str, Any], ...] = ()
+  in_shardings: Any = NOT_GIVEN  # of the user's positional arguments, as in jax.jit
+  out_shardings: Any = NOT_GIVEN  # of the user's output, as in jax.jit
+  state_shardings: Rules = Rules()
+
+  @property
+  def sharded(self) -> bool:
+    return bool(self.state_shardings) or self.in_shardings is not NOT_GIVEN or self.out_shardings is not NOT_GIVEN
 
 
 class _Packed:
@@ -91,8 +109,10 @@ class _PlanRef(int):
 class _Plan:
   """Everything a warm call needs, for one set of reference arguments."""
 
-  def __init__(self, disc: Discovery, call: CallArgs, compiled, on_drop: Callable, donated: tuple = ()):
+  def __init__(self, disc: Discovery, call: CallArgs, compiled, on_drop: Callable, donated: tuple = (),
+               layout: tuple = ()):
     self.disc, self.compiled = disc, compiled
+    self.layout = layout  # per Variable: the Sharding it keeps (None: free), or () for none
     self.donated = donated  # discovery indices whose buffers the program may reuse
     self.kept = tuple(i for i in range(len(disc.variables)) if i not in set(donated))
     self.call = dataclasses.replace(call, refs=())  # held weakly below
@@ -265,9 +285,12 @@ class JittedFunction:
         return plan, call.dyn, plan.disc
     disc = discover(self._fun, args, kwargs)
     _check_values(disc)
+    layout = layout_of(disc, self._options.state_shardings)
+    if layout and _compat.at_top_level():
+      place(disc, layout)
     donated = self._donated_states(disc, call)
-    compiled = self._compiled_for(disc, call, donated)
-    plan = _Plan(disc, call, compiled, _evictor(self, key), donated)
+    compiled = self._compiled_for(disc, call, donated, layout)
+    plan = _Plan(disc, call, compiled, _evictor(self, key), donated, layout)
     self._plans.set(key, plan)
     self._warm = plan.warm
     return plan, call.dyn, disc
@@ -286,20 +309,47 @@ class JittedFunction:
     predicate = (lambda path, var: True) if spec is True else to_filter(spec)
     return tuple(sorted(i for i in written if predicate(disc.paths[i], disc.variables[i])))
 
-  def _compiled_for(self, disc: Discovery, call: CallArgs, donated: tuple = ()):
-    key = (disc.signature, call.signature, donated)
+  def _compiled_for(self, disc: Discovery, call: CallArgs, donated: tuple = (), layout: tuple = ()):
+    key = (disc.signature, call.signature, donated, layout)
     with self._lock:
       compiled = self._compiled.get(key)
-      if compiled is None:
-        n_state = 2 if donated else 1
-        compiled = jax.jit(
-          functools.partial(_body, self.stateful_fun, n_state),
-          static_argnums=0,
-          donate_argnums=(1,) * bool(donated) + _donated_positions(call, self._donate_argnums, n_state),
-          **dict(self._options.jax_kwargs),
-        )
-        self._compiled.set(key, compiled)
+    if compiled is not None:
+      return compiled
+    n_state = 2 if donated else 1
+    shardings = self._shardings(disc, call, donated, layout) if self._options.sharded else {}
+    compiled = jax.jit(
+      functools.partial(_body, self.stateful_fun, n_state),
+      static_argnums=0,
+      donate_argnums=(1,) * bool(donated) + _donated_positions(call, self._donate_argnums, n_state),
+      **shardings,
+      **dict(self._options.jax_kwargs),
+    )
+    with self._lock:
+      self._compiled.set(key, compiled)
     return compiled
+
+  def _shardings(self, disc: Discovery, call: CallArgs, donated: tuple, layout: tuple) -> dict:
+    """``jax.jit``'s ``in_shardings``/``out_shardings`` for ``(*state, *dynamic args)``."""
+    opts = self._options
+    per_var = list(layout) if layout else [None] * len(disc.variables)
+    if donated:
+      kept = [i for i in range(len(per_var)) if i not in set(donated)]
+      state = ([per_var[i] for i in donated], [per_var[i] for i in kept])
+    else:
+      state = (per_var,)
+    user_in = None if opts.in_shardings is NOT_GIVEN else opts.in_shardings
+    out = {'in_shardings': state + arg_specs(call, user_in, 'in_shardings')}
+    if opts.out_shardings is not NOT_GIVEN:
+      values = [_compat.raw_value(v) for v in disc.variables]
+      if _packs(self.stateful_fun.trace_for(disc, call, values, call.dyn)):
+        raise ValueError(
+          'jit: out_shardings lays out array outputs, but this function returns graph nodes, '
+          'Variables created inside, or non-array values (or has side effects such as '
+          'jax.debug.print): lay Variables out with state_shardings or flax sharding '
+          'metadata, and return arrays'
+        )
+      out['out_shardings'] = (None, opts.out_shardings)  # None: the written Variables, laid out in _body
+    return out
 
   def _drop_plan(self, key) -> None:
     plan = self._plans.get(key)
@@ -398,10 +448,17 @@ def _body(sf: StatefulFunction, n_state: int, carrier: _PlanRef, *args):
   written, new, out_leaves = trace.run([state[i] for i in trace.states], jax.tree.leaves(dyn))
   # A dict keyed by Variable index carries the written set in the output's
   # (C++-native) tree structure, so a cache hit needs no Python unflatten.
+  if plan.layout:
+    written = [constrain(x, plan.layout[i]) for i, x in zip(trace.written, written)]
   written = dict(zip(trace.written, written))
-  if trace.new_vars or trace.out_spec.has_nodes or trace.closed.effects:
+  if _packs(trace):
     return _Packed(written, new, out_leaves, trace)
   return written, trace.out_spec.rebuild(out_leaves, plan.disc)
+
+
+def _packs(trace: Trace) -> bool:
+  """Whether the compiled output is a ``_Packed`` (rebuilt in Python) rather than the user's tree."""
+  return bool(trace.new_vars or trace.out_spec.has_nodes or trace.closed.effects)
 
 
 def _complete(plan: _Plan, result):
@@ -457,6 +514,9 @@ def jit(
   static_argnames: str | Sequence[str] = (),
   donate_argnums: int | Sequence[int] = (),
   donate_states: Any = None,
+  in_shardings: Any = NOT_GIVEN,
+  out_shardings: Any = NOT_GIVEN,
+  state_shardings: dict | None = None,
   **jax_jit_kwargs: Any,
 ) -> Callable:
   """Compile ``fun``, reading and writing the Variables it can reach.
@@ -478,6 +538,17 @@ def jit(
   before the call (``old = v[...]``) is deleted by it, and using it afterwards raises JAX's
   deleted-buffer ``RuntimeError``: read the Variable again instead.
 
+  ``in_shardings`` and ``out_shardings`` mean what they mean to ``jax.jit``, for the
+  function's own arguments (one entry per positional argument that is not static, or one
+  for all) and its output; a graph node passed as an argument gets ``None`` there, its
+  Variables follow ``state_shardings``. ``state_shardings`` is a dict
+  ``{sharding_or_PartitionSpec: filter}``: each Variable matched by a filter (the first
+  that matches) is moved to that layout at the first call and keeps it after every call,
+  without resharding per step. A bare ``PartitionSpec`` refers to the mesh set with
+  ``jax.set_mesh``. Variables that flax creates with sharding metadata
+  (``nnx.with_partitioning``, ``out_sharding``) inside the call under ``jax.set_mesh``
+  come out laid out as flax lays them out.
+
   The returned function has ``.lower(*args)`` (whose ``.compile()`` is
   callable with the same arguments and writes back), ``.clear_cache()`` and
   ``.stateful_fun`` (the underlying :class:`StatefulFunction`).
@@ -496,6 +567,12 @@ def jit(
       the compiled call may reuse. Default ``()``.
     donate_states: a filter, or ``True`` for every written Variable: the
       written Variables whose buffers are donated. Default ``None``: none.
+    in_shardings: shardings (or PartitionSpecs) of the positional arguments
+      that are not static, as in ``jax.jit``. Default: chosen by JAX.
+    out_shardings: shardings of the output, as in ``jax.jit``. Default:
+      chosen by JAX.
+    state_shardings: ``{sharding_or_PartitionSpec: filter}``: the layout
+      matched Variables get and keep. Default ``None``: as they are.
     **jax_jit_kwargs: other keywords for ``jax.jit`` (``device``,
       ``inline``, ...).
 
@@ -505,12 +582,17 @@ def jit(
     when ``fun`` is ``None``, a decorator that makes one.
 
   Raises:
-    TypeError: if ``fun`` is not callable or an argnum is not an int; when
+    TypeError: if ``fun`` is not callable, an argnum is not an int, or
+      ``state_shardings`` is not a dict of shardings to filters; when
       called, if a static argument is not hashable or a Variable the
       function uses holds something other than arrays.
     ValueError: if an argnum is negative, ``static_argnums`` is beyond
       ``fun``'s positional parameters, a ``static_argnames`` entry is not
-      one of its parameters, or an argument is both static and donated.
+      one of its parameters, or an argument is both static and donated;
+      when called, if ``in_shardings`` has the wrong length or gives a
+      graph node a sharding, a ``state_shardings`` spec does not divide a
+      Variable's shape (naming it) or is a PartitionSpec with no mesh set,
+      or ``out_shardings`` is given for an output holding graph nodes.
     RuntimeError: when called, if a Variable holds a tracer leaked by a JAX
       transform brainnx did not manage, or the function writes a Variable
       inside a raw ``jax.jit``/``jax.vmap``/... where the new value would leak.
@@ -531,6 +613,9 @@ def jit(
       static_argnames=static_argnames,
       donate_argnums=donate_argnums,
       donate_states=donate_states,
+      in_shardings=in_shardings,
+      out_shardings=out_shardings,
+      state_shardings=state_shardings,
       **jax_jit_kwargs,
     )
   if not callable(fun):
@@ -540,5 +625,8 @@ def jit(
     donate_argnums=normalize_argnums(donate_argnums, 'donate_argnums'),
     donate_states=donate_states,
     jax_kwargs=tuple(jax_jit_kwargs.items()),
+    in_shardings=in_shardings,
+    out_shardings=out_shardings,
+    state_shardings=Rules.parse(state_shardings, 'state_shardings'),
   )
   return JittedFunction(fun, options)

@@ -201,7 +201,14 @@ def abstract(x) -> jax.ShapeDtypeStruct:
   if isinstance(x, jax.ShapeDtypeStruct):
     return x
   aval = jax.typeof(x)
-  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+  sharding = getattr(aval, 'sharding', None)
+  extra = {}
+  if sharding is not None and not sharding.mesh.empty:  # on a mesh (explicit or manual axes): part of the type
+    extra['sharding'] = sharding
+  manual = getattr(aval, 'manual_axis_type', None)
+  if manual is not None and (manual.varying or manual.unreduced or manual.reduced):  # inside shard_map
+    extra['manual_axis_type'] = manual
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type, **extra)
 
 
 def _abstract_tree(value, where: Callable[[], str]):
@@ -227,7 +234,7 @@ def abstract_args(dyn: Sequence) -> list:
 
 def aval_key(avals) -> Hashable:
   leaves, treedef = jax.tree.flatten(avals)
-  return treedef, tuple((a.shape, a.dtype, a.weak_type) for a in leaves)
+  return treedef, tuple((a.shape, a.dtype, a.weak_type, a.sharding, a.manual_axis_type) for a in leaves)
 
 
 class TraceKey(NamedTuple):

@@ -12,6 +12,13 @@ With ``--checkpoint-dir DIR`` the ensemble, its optimizers and the loss
 history are saved with orbax every ``--checkpoint-every`` steps; running the
 same command again resumes from the latest checkpoint, and the resumed run
 ends exactly where an uninterrupted one does.
+
+With ``--devices N`` the members are split over the first N devices (a mesh
+axis ``'ens'``; on CPU, ``XLA_FLAGS=--xla_force_host_platform_device_count=N``
+makes N devices). With ``--distributed HOST:PORT --num-processes P
+--process-id I`` the same training runs as one of P processes under
+``jax.distributed.initialize`` (gloo collectives on CPU), the members split over
+every process's devices; the result equals a one-process run.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import brainnx as bnx
 
@@ -68,20 +76,66 @@ def build(members: int, seed: int, hidden: int = 64, lr: float = 1e-2):
   return ensemble, optimizers
 
 
-def make_trainer(ensemble, optimizers, x, y):
-  """``run(steps) -> losses (steps, members)``: ``steps`` adam steps of every member in one compiled loop."""
+def make_trainer(ensemble, optimizers, x, y, mesh=None):
+  """``run(steps) -> losses (steps, members)``: ``steps`` adam steps of every member in one compiled loop.
 
-  @bnx.vmap(in_axes=(0, 0, None, None))
+  With a ``mesh`` (axis ``'ens'``, the members laid out over it by :func:`shard_members`)
+  each device steps its own members (``spmd_axis_name='ens'``).
+  """
+
+  @bnx.vmap(in_axes=(0, 0, None, None), spmd_axis_name=None if mesh is None else 'ens')
   def train_step(model, opt, x, y):
     loss, grads = bnx.value_and_grad(lambda m: ((m(x) - y) ** 2).mean(), argnums=0)(model)
     opt.update(model, grads)
     return loss
 
   def run(steps: int, desc: str = 'loss'):
-    pbar = bnx.ProgressBar(count=min(20, steps), desc=(desc + ' loss (mean over members) {loss:.4f}', lambda d: {'loss': d['y'].mean()}))
-    return bnx.for_loop(lambda _: train_step(ensemble, optimizers, x, y), jnp.arange(steps), pbar=pbar)
+    pbar = bnx.ProgressBar(count=min(20, steps), disable=jax.process_index() != 0,
+                           desc=(desc + ' loss (mean over members) {loss:.4f}', lambda d: {'loss': d['y'].mean()}))
+    # numpy step indices: the same value in every process, as jax.distributed needs
+    return bnx.for_loop(lambda _: train_step(ensemble, optimizers, x, y), np.arange(steps), pbar=pbar)
 
   return run
+
+
+def make_mesh(devices: int | None):
+  """A 1-D mesh ``'ens'`` over the first ``devices`` devices (all of them with ``jax.distributed``)."""
+  found = jax.devices()
+  if devices is not None and devices > len(found):
+    raise ValueError(
+      f'--devices {devices}: only {len(found)} device(s) here; on CPU set '
+      f'XLA_FLAGS=--xla_force_host_platform_device_count={devices} before starting'
+    )
+  return jax.make_mesh((devices or len(found),), ('ens',), devices=found[: devices or len(found)])
+
+
+def shard_members(mesh, *nodes):
+  """Lay every Variable of ``nodes`` (stacked over members on axis 0) out as ``P('ens')``: each
+  device holds its share of the members. Every process holds the whole value (same seed) and
+  gives its own devices' shards, so this also works across processes."""
+  sharding = NamedSharding(mesh, P('ens'))
+
+  def put(x):
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+  for node in nodes:
+    nnx.update(node, jax.tree.map(put, nnx.state(node)))
+
+
+def replicate(mesh, *arrays):
+  """The same arrays, replicated on every device of ``mesh`` (inputs of a many-process program)."""
+  sharding = NamedSharding(mesh, P())
+  return tuple(jax.make_array_from_callback(np.shape(a), sharding, lambda i, a=np.asarray(a): a[i]) for a in arrays)
+
+
+def to_host(x) -> np.ndarray:
+  """A numpy copy of ``x``, gathered from every process when it spans several."""
+  if getattr(x, 'is_fully_addressable', True):
+    return np.asarray(x)
+  from jax.experimental import multihost_utils
+
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def train(members: int, steps: int, seed: int, hidden: int = 64, lr: float = 1e-2):
@@ -171,15 +225,19 @@ def resolve_out(out: Path) -> Path:
   return out / 'ensemble.png'
 
 
-def plot(path: Path, ensemble, data) -> None:
+def predict(ensemble, grid) -> np.ndarray:
+  """Every member's prediction on ``grid``: shape ``(members, len(grid))``."""
+  return to_host(bnx.vmap(lambda m, g: m(g), in_axes=(0, None))(ensemble, grid))[..., 0]
+
+
+def plot(path: Path, preds: np.ndarray, data) -> None:
   """Members, mean ± 2 std band, truth and data; the grid where the truth leaves the band is shaded."""
   import matplotlib
 
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
-  x, y, grid = data
-  preds = np.asarray(bnx.vmap(lambda m, g: m(g), in_axes=(0, None))(ensemble, grid))[..., 0]
+  x, y, grid = (np.asarray(a) for a in data)
   truth = np.asarray(target(grid)[:, 0])
   mean, std = preds.mean(0), preds.std(0)
   g = np.asarray(grid[:, 0])
@@ -227,7 +285,27 @@ def _parser() -> argparse.ArgumentParser:
                            'if it already holds a checkpoint of the same run, resume from the latest one')
   parser.add_argument('--checkpoint-every', type=int, default=100,
                       help='steps between checkpoints with --checkpoint-dir (default 100)')
+  parser.add_argument('--devices', type=int, default=None,
+                      help='split the members over the first N devices (a mesh axis "ens"; --members must be a '
+                           'multiple of N; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N)')
+  parser.add_argument('--distributed', metavar='HOST:PORT', default=None,
+                      help='run as one process of a jax.distributed job whose coordinator (process 0) listens at '
+                           'HOST:PORT; the members are split over every process\'s devices')
+  parser.add_argument('--num-processes', type=int, default=None, help='with --distributed: how many processes')
+  parser.add_argument('--process-id', type=int, default=None, help='with --distributed: this process\'s index')
+  parser.add_argument('--save', type=Path, default=None,
+                      help='write the trained parameters and the losses to this .npz file (process 0 only)')
   return parser
+
+
+def _start_distributed(args, parser) -> None:
+  if args.num_processes is None or args.process_id is None:
+    parser.error('--distributed needs --num-processes and --process-id')
+  if args.checkpoint_dir is not None:
+    parser.error('--checkpoint-dir is not supported with --distributed')
+  if jax.config.jax_platforms in (None, '', 'cpu'):
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # CPU collectives across processes
+  jax.distributed.initialize(args.distributed, num_processes=args.num_processes, process_id=args.process_id)
 
 
 def main(argv=None) -> dict:
@@ -239,7 +317,22 @@ def main(argv=None) -> dict:
     parser.error('--steps must be at least 1')
   if args.checkpoint_every < 1:
     parser.error('--checkpoint-every must be at least 1')
-  png = None if args.no_plot else resolve_out(args.out)
+  if args.devices is not None and args.devices < 1:
+    parser.error('--devices must be at least 1')
+  if args.distributed is not None:
+    _start_distributed(args, parser)
+  elif args.num_processes is not None or args.process_id is not None:
+    parser.error('--num-processes and --process-id go with --distributed')
+  lead = jax.process_index() == 0  # the process that reports, plots and saves
+  mesh = None
+  if args.devices is not None or args.distributed is not None:
+    try:
+      mesh = make_mesh(args.devices)
+    except ValueError as e:
+      parser.error(str(e))
+    if args.members % mesh.size:
+      parser.error(f'--members {args.members} must be a multiple of the {mesh.size} devices it is split over')
+  png = None if args.no_plot or not lead else resolve_out(args.out)
   if png is not None and not _have_matplotlib():
     print('matplotlib is not installed, so no plot will be written '
           "(pip install matplotlib, or pip install 'brainnx[plot]'; --no-plot silences this)", file=sys.stderr)
@@ -247,9 +340,13 @@ def main(argv=None) -> dict:
 
   start = time.perf_counter()
   hidden, lr = 64, 1e-2
-  x, y, grid = data = make_data(args.seed)
+  x, y, grid = make_data(args.seed)
+  host_data = tuple(np.asarray(a) for a in (x, y, grid))
   ensemble, optimizers = build(args.members, args.seed, hidden, lr)
-  run = make_trainer(ensemble, optimizers, x, y)
+  if mesh is not None:
+    shard_members(mesh, ensemble, optimizers)
+    x, y, grid = replicate(mesh, x, y, grid)
+  run = make_trainer(ensemble, optimizers, x, y, mesh)
   history = np.zeros((0, args.members), np.float32)
   step = 0
 
@@ -274,7 +371,7 @@ def main(argv=None) -> dict:
     chunk = args.checkpoint_every if ckpt is not None else args.steps
     while step < args.steps:
       n = min(chunk, args.steps - step)
-      losses = np.asarray(run(n, desc=f'steps {step + 1}-{step + n}: loss'))
+      losses = to_host(run(n, desc=f'steps {step + 1}-{step + n}: loss'))
       history = np.concatenate([history, losses])
       step += n
       if ckpt is not None:
@@ -283,15 +380,23 @@ def main(argv=None) -> dict:
     if ckpt is not None:
       ckpt.close()
 
-  preds = np.asarray(bnx.vmap(lambda m, g: m(g), in_axes=(0, None))(ensemble, grid))[..., 0]
+  preds = predict(ensemble, grid)  # in every process: gathering is a collective
+  grid = host_data[2]
   truth = np.asarray(target(grid)[:, 0])
   member_rmse = np.sqrt(((preds - truth) ** 2).mean(1))
   mean_rmse = float(np.sqrt(((preds.mean(0) - truth) ** 2).mean()))
   outside, intervals = band_report(grid, truth, preds)
   if png is not None:
-    plot(png, ensemble, data)
+    plot(png, preds, host_data)
+  if args.save is not None:  # every process gathers (a collective), the lead one writes
+    flat = {'/'.join(map(str, path)): to_host(v.get_value()) for path, v in nnx.to_flat_state(nnx.state(ensemble))}
+    if lead:
+      np.savez(args.save, losses=history, **flat)
+  if not lead:
+    return {'losses': history, 'step': step, 'ensemble': ensemble, 'optimizers': optimizers}
+  where = '' if mesh is None else f' on {mesh.size} device(s) in {jax.process_count()} process(es)'
 
-  print(f'\ntrained {args.members} members to step {step} in {time.perf_counter() - start:.1f} s')
+  print(f'\ntrained {args.members} members{where} to step {step} in {time.perf_counter() - start:.1f} s')
   for k in range(args.members):
     print(f'  member {k}: final train loss {history[-1, k]:.4f} (first {history[0, k]:.4f})')
   print(f'held-out grid [-4, 4]: member RMSE {member_rmse.mean():.3f} ± {member_rmse.std():.3f}, '
@@ -311,6 +416,8 @@ def main(argv=None) -> dict:
     print(f'checkpoints in {args.checkpoint_dir} (latest: step {step}); the same command resumes from there')
   if png is not None:
     print(f'wrote {png}')
+  if args.save is not None:
+    print(f'wrote {args.save}')
   return {'losses': history, 'png': png, 'member_rmse': member_rmse, 'mean_rmse': mean_rmse,
           'outside_band': outside, 'outside_intervals': intervals, 'step': step,
           'ensemble': ensemble, 'optimizers': optimizers}

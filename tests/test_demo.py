@@ -30,7 +30,11 @@ def test_demo_module_entry_point(tmp_path):
   assert (tmp_path / 'ensemble.png').exists()
 
 
-@pytest.mark.parametrize('flags', [['--members', '0'], ['--steps', 'many'], ['--bogus'], ['--checkpoint-every', '0']])
+@pytest.mark.parametrize('flags', [
+  ['--members', '0'], ['--steps', 'many'], ['--bogus'], ['--checkpoint-every', '0'], ['--devices', '0'],
+  ['--devices', '64'], ['--members', '6', '--devices', '4'], ['--process-id', '0'],
+  ['--distributed', '127.0.0.1:1'],
+])
 def test_bad_flags_are_argparse_errors(flags, capsys):
   with pytest.raises(SystemExit) as exc:
     demo.main(flags)
@@ -111,3 +115,13 @@ def test_plain_install_in_a_fresh_venv_runs_the_demo(tmp_path):
   )
   assert out.returncode == 0, out.stderr
   assert 'matplotlib is not installed' in out.stderr and (tmp_path / 'ckpt' / '5').is_dir()
+
+
+def test_devices_split_the_members_and_equal_one_device(tmp_path, capsys):
+  flags = ['--members', '4', '--steps', '20', '--no-plot']
+  one = demo.main(flags)
+  two = demo.main(flags + ['--devices', '2'])
+  assert 'on 2 device(s) in 1 process(es)' in capsys.readouterr().out
+  kernel = two['ensemble'].l1.kernel.get_value()
+  assert {s.data.shape[0] for s in kernel.addressable_shards} == {2}
+  np.testing.assert_allclose(two['losses'], one['losses'], rtol=1e-5, atol=1e-6)

@@ -1,0 +1,155 @@
+"""``shard_map``: ``jax.shard_map`` for functions that read and write Variables.
+
+Each device runs the function on its shard. Variables enter with the spec their rule in
+``state_in_specs`` gives (replicated, ``P()``, where none matches), and those the function
+writes leave with their ``state_out_specs`` spec (default: their input spec) and are written
+back as global arrays.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from jax.sharding import Mesh, PartitionSpec as P
+  >>> from flax import nnx
+  >>> import brainnx as bnx
+  >>> mesh = Mesh(jax.devices()[:1], ('d',))
+  >>> total = nnx.Variable(jnp.zeros(()))
+  >>> def add(x):
+  ...   total[...] += jax.lax.psum(x.sum(), 'd')
+  ...   return x * 2
+  >>> y = bnx.shard_map(add, mesh=mesh, in_specs=P('d'), out_specs=P('d'))(jnp.arange(4.0))
+  >>> y.tolist(), float(total[...])
+  ([0.0, 2.0, 4.0, 6.0], 6.0)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from brainnx import _compat
+from brainnx._arguments import ArgKind, CallArgs
+from brainnx._discovery import discover
+from brainnx._eager import run
+from brainnx._sharding import Rules, arg_specs, check_divides, constrain
+from brainnx._tracing import state_step, write_values
+
+__all__ = ['shard_map']
+
+_REPLICATED = PartitionSpec()
+
+
+def shard_map(
+  f: Callable,
+  *,
+  mesh: Any = None,
+  in_specs: Any,
+  out_specs: Any,
+  state_in_specs: dict | None = None,
+  state_out_specs: dict | None = None,
+  axis_names: Any = frozenset(),
+  check_vma: bool = True,
+) -> Callable:
+  """``jax.shard_map`` for a function that reads and writes Variables.
+
+  ``in_specs`` has one ``PartitionSpec`` per positional argument (or one for all), as in
+  ``jax.shard_map``; a graph node passed as an argument gets ``None`` (or ``P()``) there,
+  since its Variables follow ``state_in_specs``. Collectives over the mesh axes work inside.
+  Variables the function writes are written back after the call.
+
+  Args:
+    f: the per-shard function.
+    mesh: a ``jax.sharding.Mesh``. Default ``None``: the mesh set with ``jax.set_mesh``.
+    in_specs: specs of the positional arguments.
+    out_specs: specs of the output (a prefix of its tree), as in ``jax.shard_map``.
+    state_in_specs: ``{PartitionSpec: filter}``: how matched Variables are split over the
+      mesh (first match wins). Default ``None``: every Variable replicated (``P()``).
+    state_out_specs: ``{PartitionSpec: filter}``: how written Variables are put back
+      together. Default ``None``: each with its input spec.
+    axis_names: mesh axes the function is manual over, as in ``jax.shard_map``.
+      Default: all of them.
+    check_vma: as in ``jax.shard_map``. Default ``True``.
+
+  Returns:
+    A function with ``f``'s signature returning the global output.
+
+  Raises:
+    TypeError: if ``f`` is not callable, a state spec dict is malformed, or a dynamic
+      argument is passed by keyword.
+    ValueError: if no mesh is given or set, a spec does not divide a Variable's shape (naming
+      the Variable), ``in_specs`` has the wrong length or gives a graph node a spec, or ``f``
+      creates Variables or returns graph nodes.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import Mesh, PartitionSpec as P
+    >>> import brainnx as bnx
+    >>> mesh = Mesh(jax.devices()[:1], ('d',))
+    >>> bnx.shard_map(lambda x: x + 1, mesh=mesh, in_specs=P('d'), out_specs=P('d'))(jnp.zeros(2)).tolist()
+    [1.0, 1.0]
+  """
+  if not callable(f):
+    raise TypeError(f'shard_map needs a callable, got {type(f).__name__}')
+  config = (
+    mesh, _hashable(in_specs), _hashable(out_specs),
+    Rules.parse(state_in_specs, 'state_in_specs'), Rules.parse(state_out_specs, 'state_out_specs'),
+    frozenset(axis_names), check_vma,
+  )
+
+  @functools.wraps(f)
+  def sharded(*args, **kwargs):
+    return run(_shard_map_impl, (f,), config, args, kwargs)
+
+  return sharded
+
+
+def _hashable(specs):
+  return tuple(_hashable(s) for s in specs) if isinstance(specs, list) else specs
+
+
+def _shard_map_impl(f, *rest, **kwargs):
+  *args, mesh, in_specs, out_specs, state_in, state_out, axis_names, check_vma = rest
+  call = CallArgs.split(tuple(args), kwargs)
+  if any(k is not ArgKind.STATIC and k is not ArgKind.REF for k in call.kinds[call.n_args:]):
+    raise TypeError(
+      'shard_map: in_specs refer to positional arguments; pass array arguments positionally '
+      '(graph nodes may be passed by keyword)'
+    )
+  mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    raise ValueError('shard_map: no mesh: pass mesh=... or call inside `with jax.set_mesh(mesh):`')
+  disc = discover(f, tuple(args), kwargs)
+  specs_in = state_in.specs(disc, _REPLICATED)
+  specs_out = tuple(o if o is not None else i for o, i in zip(state_out.specs(disc, None), specs_in))
+  mesh_shape = dict(mesh.shape)
+  for i, (spec_in, spec_out) in enumerate(zip(specs_in, specs_out)):
+    check_divides(disc, i, spec_in, mesh_shape, 'shard_map: state_in_specs')
+    check_divides(disc, i, spec_out, mesh_shape, 'shard_map: state_out_specs')
+  dyn_specs = arg_specs(call, in_specs, 'shard_map: in_specs', default=_REPLICATED)
+  found: list = []  # the written indices: no tracers, which must not outlive the trace
+
+  def per_shard(state_values, dyn):
+    step = state_step(f, disc, call, state_values, dyn, keep_new=False)
+    if step.new_vars:
+      raise ValueError('shard_map: the function creates Variables; create them before the call')
+    spec, leaves = step.split_out(disc)
+    if spec.has_nodes:
+      raise ValueError('shard_map: the function returns graph nodes or non-array values; return arrays')
+    found.append(step.written)
+    return list(step.values), jax.tree.unflatten(spec.treedef, leaves)
+
+  per_shard.__name__ = per_shard.__qualname__ = getattr(f, '__name__', 'shard_map')  # JAX's messages name it
+
+  # On an explicit mesh a value's layout is part of its type: lay each Variable out as its spec says.
+  values = [
+    constrain(_compat.raw_value(v), NamedSharding(mesh, spec)) if mesh.are_all_axes_explicit else _compat.raw_value(v)
+    for v, spec in zip(disc.variables, specs_in)
+  ]
+  now, out = jax.shard_map(
+    per_shard, mesh=mesh, in_specs=(list(specs_in), dyn_specs), out_specs=(list(specs_out), out_specs),
+    axis_names=axis_names, check_vma=check_vma,
+  )(values, tuple(call.dyn))
+  written = found[-1]
+  write_values(disc, written, [now[i] for i in written])
+  return out

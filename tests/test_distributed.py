@@ -1,0 +1,57 @@
+"""Many hosts: the demo as 2 processes under ``jax.distributed`` equals one process.
+
+Both processes run on 127.0.0.1 (a free port, gloo collectives, 2 CPU devices each) and are
+bounded by a timeout; the oracle is the same training in this process on its 4 devices.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from brainnx import demo
+
+TIMEOUT_S = 240
+FLAGS = ['--members', '8', '--steps', '5', '--no-plot']
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.skipif(jax.device_count() < 4, reason='the one-process oracle needs 4 devices (tests/conftest.py)')
+def test_two_processes_train_the_sharded_ensemble_as_one_process_does(tmp_path):
+  port = _free_port()
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2', JAX_PLATFORMS='cpu')
+  procs = [
+    subprocess.Popen(
+      [sys.executable, '-m', 'brainnx.demo', *FLAGS, '--distributed', f'127.0.0.1:{port}',
+       '--num-processes', '2', '--process-id', str(i), '--save', str(tmp_path / 'many.npz')],
+      env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    for i in range(2)
+  ]
+  logs = []
+  try:
+    for p in procs:
+      logs.append(p.communicate(timeout=TIMEOUT_S)[0])
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.communicate()
+  for p, log in zip(procs, logs):
+    assert p.returncode == 0, log[-3000:]
+  assert 'on 4 device(s) in 2 process(es)' in logs[0]
+
+  demo.main([*FLAGS, '--devices', '4', '--save', str(tmp_path / 'one.npz')])
+  many, one = np.load(tmp_path / 'many.npz'), np.load(tmp_path / 'one.npz')
+  assert sorted(many) == sorted(one) and 'l1/kernel' in one
+  for name in one:
+    np.testing.assert_allclose(many[name], one[name], rtol=1e-6, atol=1e-7, err_msg=name)
