@@ -53,6 +53,10 @@ def pmap(
   into the trace; ``donate_argnums`` donates those arguments' buffers to the
   compiled call.
 
+  For new code on several devices prefer :func:`jit` with ``state_shardings`` and
+  :func:`vmap` with ``spmd_axis_name`` (a sharded ensemble), or :func:`shard_map`: they
+  work on meshes of any shape and across hosts under ``jax.distributed``.
+
   Args:
     fn: the function to map. Default ``None``: return a decorator.
     axis_name: a name for the mapped axis, for collectives such as

@@ -46,3 +46,27 @@ def test_side_by_side_columns_run_and_use_per_member_dropout():
       [namespace['dropout']] if 'rngs, x, y' in block else []), namespace['x'], namespace['y'])
     assert loss.shape == (8,)
     assert len(set(map(float, loss))) == 8
+
+
+def test_mesh_snippet_runs_and_splits_the_members():
+  import pytest
+
+  if jax.device_count() < 4:
+    pytest.skip('needs the 4 CPU devices of tests/conftest.py')
+  import brainnx as bnx
+
+  (block,) = [b for b in BLOCKS if 'state_shardings' in b]
+  rngs = nnx.Rngs(0)
+  ensemble = bnx.vmap(lambda: nnx.Linear(2, 2, rngs=rngs), axis_size=8)()
+  optimizers = bnx.vmap(lambda m: nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param))(ensemble)
+
+  def member_step(model, opt, x):
+    loss, grads = bnx.value_and_grad(lambda m: (m(x) ** 2).mean(), argnums=0)(model)
+    opt.update(model, grads)
+    return loss
+
+  namespace = dict(prelude(), member_step=member_step, ensemble=ensemble, optimizers=optimizers, x=jnp.ones((4, 2)))
+  exec(block, namespace)
+  kernel = ensemble.kernel.get_value()
+  assert {s.data.shape[0] for s in kernel.addressable_shards} == {2}
+  assert list(jax.device_get(optimizers.step.get_value())) == [1] * 8
