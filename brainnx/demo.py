@@ -76,11 +76,13 @@ def build(members: int, seed: int, hidden: int = 64, lr: float = 1e-2):
   return ensemble, optimizers
 
 
-def make_trainer(ensemble, optimizers, x, y, mesh=None):
-  """``run(steps) -> losses (steps, members)``: ``steps`` adam steps of every member in one compiled loop.
+def make_trainer(ensemble, optimizers, mesh=None):
+  """``run(steps, x, y) -> losses (steps, members)``: ``steps`` adam steps of every member in one
+  compiled loop (one program per distinct ``steps``), with a progress bar.
 
-  With a ``mesh`` (axis ``'ens'``, the members laid out over it by :func:`shard_members`)
-  each device steps its own members (``spmd_axis_name='ens'``).
+  The parameters and adam state are donated (``donate_states=True``): XLA updates them in place.
+  With a ``mesh`` (axis ``'ens'``) every Variable is laid out ``P('ens')`` (``state_shardings``),
+  so each device holds and steps its own members (``spmd_axis_name='ens'``).
   """
 
   @bnx.vmap(in_axes=(0, 0, None, None), spmd_axis_name=None if mesh is None else 'ens')
@@ -89,13 +91,17 @@ def make_trainer(ensemble, optimizers, x, y, mesh=None):
     opt.update(model, grads)
     return loss
 
-  def run(steps: int, desc: str = 'loss'):
-    pbar = bnx.ProgressBar(count=min(20, steps), disable=jax.process_index() != 0,
-                           desc=(desc + ' loss (mean over members) {loss:.4f}', lambda d: {'loss': d['y'].mean()}))
+  bars = {}  # one progress bar per loop length, made when that loop is traced
+
+  def loop(steps: int, x, y):
+    pbar = bars.setdefault(steps, bnx.ProgressBar(
+      count=min(20, steps), disable=jax.process_index() != 0,
+      desc=('loss (mean over members) {loss:.4f}', lambda d: {'loss': d['y'].mean()})))
     # numpy step indices: the same value in every process, as jax.distributed needs
     return bnx.for_loop(lambda _: train_step(ensemble, optimizers, x, y), np.arange(steps), pbar=pbar)
 
-  return run
+  layout = None if mesh is None else {NamedSharding(mesh, P('ens')): ...}
+  return bnx.jit(loop, static_argnums=0, donate_states=True, state_shardings=layout)
 
 
 def make_mesh(devices: int | None):
@@ -107,20 +113,6 @@ def make_mesh(devices: int | None):
       f'XLA_FLAGS=--xla_force_host_platform_device_count={devices} before starting'
     )
   return jax.make_mesh((devices or len(found),), ('ens',), devices=found[: devices or len(found)])
-
-
-def shard_members(mesh, *nodes):
-  """Lay every Variable of ``nodes`` (stacked over members on axis 0) out as ``P('ens')``: each
-  device holds its share of the members. Every process holds the whole value (same seed) and
-  gives its own devices' shards, so this also works across processes."""
-  sharding = NamedSharding(mesh, P('ens'))
-
-  def put(x):
-    host = np.asarray(x)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-  for node in nodes:
-    nnx.update(node, jax.tree.map(put, nnx.state(node)))
 
 
 def replicate(mesh, *arrays):
@@ -142,7 +134,7 @@ def train(members: int, steps: int, seed: int, hidden: int = 64, lr: float = 1e-
   """Train the ensemble; returns (ensemble, per-step losses of shape (steps, members), data)."""
   x, y, grid = make_data(seed)
   ensemble, optimizers = build(members, seed, hidden, lr)
-  losses = make_trainer(ensemble, optimizers, x, y)(steps)
+  losses = make_trainer(ensemble, optimizers)(steps, x, y)
   return ensemble, losses, (x, y, grid)
 
 
@@ -344,9 +336,8 @@ def main(argv=None) -> dict:
   host_data = tuple(np.asarray(a) for a in (x, y, grid))
   ensemble, optimizers = build(args.members, args.seed, hidden, lr)
   if mesh is not None:
-    shard_members(mesh, ensemble, optimizers)
     x, y, grid = replicate(mesh, x, y, grid)
-  run = make_trainer(ensemble, optimizers, x, y, mesh)
+  run = make_trainer(ensemble, optimizers, mesh)
   history = np.zeros((0, args.members), np.float32)
   step = 0
 
@@ -371,7 +362,9 @@ def main(argv=None) -> dict:
     chunk = args.checkpoint_every if ckpt is not None else args.steps
     while step < args.steps:
       n = min(chunk, args.steps - step)
-      losses = to_host(run(n, desc=f'steps {step + 1}-{step + n}: loss'))
+      if ckpt is not None and lead:
+        print(f'steps {step + 1}-{step + n}:')
+      losses = to_host(run(n, x, y))
       history = np.concatenate([history, losses])
       step += n
       if ckpt is not None:
