@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
-  'default', max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+  'default', max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile(
   'long', max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
