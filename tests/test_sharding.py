@@ -14,7 +14,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import brainnx as bnx
 from brainnx.demo import MLP, make_data
-from tests.helpers import values_of
+from helpers import values_of
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason='needs 4 devices (tests/conftest.py forces them on CPU)')
 
