@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 
@@ -44,8 +44,56 @@ def interleaved(variants: dict[str, Callable[[], object]], *, rounds: int = 30, 
   return results
 
 
-def first_calls(makers: dict[str, Callable[[], Callable[[], object]]], *, trials: int = 5) -> dict[str, float]:
-  """Median over ``trials`` of the first-call time (ms): ``maker()`` builds a fresh function."""
+class Best(float):
+  """A per-call minimum (µs) over interleaved rounds that also carries the median (``.median``)."""
+
+  median: float
+
+
+def best_of(variants: dict[str, Callable[[], object]], *, rounds: int = 15, round_ms: float = 20.0) -> dict[str, Best]:
+  """Per-call time (µs) of each variant: the minimum over ``rounds`` interleaved rounds.
+
+  Each variant gets its own number of calls per round, calibrated so that one
+  round takes about ``round_ms``; the variants take turns round by round, so a
+  burst of load on a shared machine hits them all alike, and the minimum keeps
+  the round that the load disturbed least. Each result also has ``.median``.
+  """
+  calls = {}
+  for name, fn in variants.items():  # warm, then calibrate
+    for _ in range(3):
+      block(fn())
+    t0 = time.perf_counter()
+    n = 0
+    while n < 3 or time.perf_counter() - t0 < round_ms / 4e3:
+      out = fn()
+      n += 1
+    block(out)
+    per_call = (time.perf_counter() - t0) / n
+    calls[name] = max(1, round(round_ms / 1e3 / per_call))
+  samples: dict[str, list[float]] = {name: [] for name in variants}
+  for _ in range(rounds):
+    for name, fn in variants.items():
+      t0 = time.perf_counter()
+      for _ in range(calls[name]):
+        out = fn()
+      block(out)
+      samples[name].append((time.perf_counter() - t0) / calls[name] * 1e6)
+  results = {}
+  for name, s in samples.items():
+    t = Best(min(s))
+    t.median = statistics.median(s)
+    results[name] = t
+  return results
+
+
+def first_calls(
+  makers: dict[str, Callable[[], Callable[[], object]]], *, trials: int = 5, reduce: Callable = statistics.median
+) -> dict[str, float]:
+  """``reduce`` (median, or e.g. ``min``) over ``trials`` of the first-call time (ms).
+
+  ``maker()`` builds a fresh function (and fresh model) each trial, so every
+  trial traces and compiles anew; the variants take turns trial by trial.
+  """
   samples: dict[str, list[float]] = {name: [] for name in makers}
   for _ in range(trials):
     for name, make in makers.items():
@@ -53,7 +101,7 @@ def first_calls(makers: dict[str, Callable[[], Callable[[], object]]], *, trials
       t0 = time.perf_counter()
       block(fn())
       samples[name].append((time.perf_counter() - t0) * 1e3)
-  return {name: statistics.median(s) for name, s in samples.items()}
+  return {name: reduce(s) for name, s in samples.items()}
 
 
 def table(title: str, results: dict[str, float], unit: str, baseline: str) -> str:

@@ -1,4 +1,4 @@
-"""One adam training step of an 8-member MLP ensemble: brainnx vs raw jax vs nnx.
+"""One adam training step of an 8-member MLP ensemble: brainnx vs raw jax, nnx, equinox and brainstate.
 
 Run: ``python benchmarks/ensemble_train.py`` (prints markdown tables).
 
@@ -10,6 +10,8 @@ step time. Variants, interleaved:
   raw jax.jit(jax.vmap(pure_step))   params and adam state as stacked pytrees
   brainnx jit(vmap(train_step))      bnx.value_and_grad + nnx.Optimizer.update
   nnx.jit(nnx.vmap(train_step))      nnx.value_and_grad + nnx.Optimizer.update
+  eqx.filter_jit(eqx.filter_vmap)    eqx.filter_value_and_grad + optax, model and state returned (bench extra)
+  brainstate jit(vmap2)              brainstate.transform.grad + optax, states written back (bench extra)
 The first call (trace + compile) is timed on fresh models.
 """
 
@@ -25,24 +27,25 @@ import optax
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).parent))
-import brainnx as bnx  # noqa: E402
+import _peers  # noqa: E402
 from _timing import first_calls, interleaved, table  # noqa: E402
+
+import brainnx as bnx  # noqa: E402
 from brainnx.demo import MLP, make_data  # noqa: E402
 
 MEMBERS = 8
 TX = optax.adam(1e-3)
 SIZES = {'demo': (64, 128), 'small': (16, 32)}  # hidden width, training points
-HIDDEN, POINTS = SIZES['demo']
 
 
-def data():
-  x, y, _ = make_data(0, POINTS)
+def data(points):
+  x, y, _ = make_data(0, points)
   return x, y
 
 
-def make_members(seed=0):
+def make_members(hidden, members=MEMBERS, seed=0):
   rngs = nnx.Rngs(seed)
-  ens = bnx.vmap(lambda: MLP(HIDDEN, rngs=rngs), axis_size=MEMBERS)()
+  ens = bnx.vmap(lambda: MLP(hidden, rngs=rngs), axis_size=members)()
   opt = bnx.vmap(lambda m: nnx.Optimizer(m, TX, wrt=nnx.Param))(ens)
   return ens, opt
 
@@ -63,9 +66,15 @@ def pure_step(params, opt_state, x, y):
   return optax.apply_updates(params, updates), opt_state, loss
 
 
-def raw_setup(seed=0):
-  ens, _ = make_members(seed)
-  params = {n: {'kernel': getattr(ens, n).kernel[...], 'bias': getattr(ens, n).bias[...]} for n in ('l1', 'l2', 'l3')}
+def member_arrays(hidden, members=MEMBERS, seed=0):
+  """The stacked ``(kernel, bias)`` arrays of the members every variant starts from."""
+  ens, _ = make_members(hidden, members, seed)
+  return [(getattr(ens, n).kernel[...], getattr(ens, n).bias[...]) for n in ('l1', 'l2', 'l3')]
+
+
+def raw_setup(hidden, members=MEMBERS, seed=0):
+  pairs = member_arrays(hidden, members, seed)
+  params = {n: {'kernel': k, 'bias': b} for n, (k, b) in zip(('l1', 'l2', 'l3'), pairs)}
   opt_state = jax.vmap(TX.init)(params)
   return params, opt_state
 
@@ -92,50 +101,77 @@ def nnx_step():
   return step
 
 
-def variants():
-  x, y = data()
-  raw = jax.jit(jax.vmap(pure_step, in_axes=(0, 0, None, None)))
-  state = {'raw': raw_setup()}
-  ens, opt = make_members()
-  nnx_ens, nnx_opt = make_members()
-  b_step, n_step = brainnx_step(), nnx_step()
+class RawTrainer:
+  """raw ``jax.jit(jax.vmap(pure_step))``, its params and adam state carried from step to step."""
 
-  def run_raw():
-    params, opt_state = state['raw']
-    params, opt_state, loss = raw(params, opt_state, x, y)
-    state['raw'] = (params, opt_state)
+  def __init__(self, hidden, members=MEMBERS, seed=0):
+    self.params, self.opt_state = raw_setup(hidden, members, seed)
+    self.step = jax.jit(jax.vmap(lambda *a: pure_step(*a), in_axes=(0, 0, None, None)))
+
+  def __call__(self, x, y):
+    self.params, self.opt_state, loss = self.step(self.params, self.opt_state, x, y)
     return loss
 
-  # all three start from the same members and must agree step by step
-  for _ in range(3):
-    a, b, c = run_raw(), b_step(ens, opt, x, y), n_step(nnx_ens, nnx_opt, x, y)
-    assert jnp.allclose(a, b, rtol=1e-5) and jnp.allclose(a, c, rtol=1e-5), (a, b, c)
-  return {
-    'raw jax.jit(jax.vmap)': run_raw,
-    'brainnx jit(vmap)': lambda: b_step(ens, opt, x, y),
-    'nnx.jit(nnx.vmap)': lambda: n_step(nnx_ens, nnx_opt, x, y),
-  }
+
+RAW = 'raw jax.jit(jax.vmap)'
+BNX = 'brainnx jit(vmap)'
+NNX = 'nnx.jit(nnx.vmap)'
+EQX = 'eqx.filter_jit(eqx.filter_vmap)'
+BST = 'brainstate jit(vmap2)'
 
 
-def first_call_makers():
-  x, y = data()
+def trainers(hidden, members=MEMBERS, seed=0):
+  """Makers of one-argument-free step calls, a fresh model (and fresh function) per maker call."""
 
   def raw():
-    params, opt_state = raw_setup()
-    f = jax.jit(jax.vmap(lambda *a: pure_step(*a), in_axes=(0, 0, None, None)))
-    return lambda: f(params, opt_state, x, y)
+    return RawTrainer(hidden, members, seed)
 
   def brainnx():
-    ens, opt = make_members()
+    ens, opt = make_members(hidden, members, seed)
     f = brainnx_step()
-    return lambda: f(ens, opt, x, y)
+    return lambda x, y: f(ens, opt, x, y)
 
   def flax_nnx():
-    ens, opt = make_members()
+    ens, opt = make_members(hidden, members, seed)
     f = nnx_step()
-    return lambda: f(ens, opt, x, y)
+    return lambda x, y: f(ens, opt, x, y)
 
-  return {'raw jax.jit(jax.vmap)': raw, 'brainnx jit(vmap)': brainnx, 'nnx.jit(nnx.vmap)': flax_nnx}
+  def equinox():
+    return _peers.EqxTrainer(TX, member_arrays(hidden, members, seed), jnp.tanh)
+
+  def brainstate():
+    return _peers.bst_ensemble_step(TX, _peers.bst_model(member_arrays(hidden, members, seed), jnp.tanh), members)
+
+  found = {RAW: raw, BNX: brainnx, NNX: flax_nnx}
+  if _peers.HAVE_EQX:
+    found[EQX] = equinox
+  if _peers.HAVE_BST:
+    found[BST] = brainstate
+  return found
+
+
+def variants(hidden, points, members=MEMBERS):
+  """Warm step calls; all start from the same members and must agree step by step."""
+  x, y = data(points)
+  steps = {name: make() for name, make in trainers(hidden, members).items()}
+  for _ in range(3):
+    losses = {name: step(x, y) for name, step in steps.items()}
+    for name, loss in losses.items():
+      assert jnp.allclose(loss, losses[RAW], rtol=1e-4, atol=1e-6), (name, loss, losses[RAW])
+  return {name: (lambda step=step: step(x, y)) for name, step in steps.items()}
+
+
+def first_call_makers(hidden, points, members=MEMBERS):
+  x, y = data(points)
+
+  def first(make):
+    def maker():
+      step = make()
+      return lambda: step(x, y)
+
+    return maker
+
+  return {name: first(make) for name, make in trainers(hidden, members).items()}
 
 
 def main(argv=None) -> None:
@@ -144,16 +180,16 @@ def main(argv=None) -> None:
   parser.add_argument('--calls', type=int, default=100)
   parser.add_argument('--sizes', nargs='+', choices=sorted(SIZES), default=['demo', 'small'])
   args = parser.parse_args(argv)
-  print(f'jax {jax.__version__} on {jax.devices()[0].platform}\n')
-  global HIDDEN, POINTS
+  print(f'jax {jax.__version__}, {_peers.versions()} on {jax.devices()[0].platform}')
+  print(_peers.notes() + '\n')
   for size in args.sizes:
-    HIDDEN, POINTS = SIZES[size]
-    label = f'{MEMBERS}-member adam step, {size} size (H={HIDDEN}, {POINTS} points)'
-    steps = interleaved(variants(), rounds=args.rounds, calls=args.calls)
-    print(table(f'{label}: per-step median', steps, 'us', 'raw jax.jit(jax.vmap)'))
-    print(f"\nnnx path / brainnx: {steps['nnx.jit(nnx.vmap)'] / steps['brainnx jit(vmap)']:.1f}x\n")
-    first = first_calls(first_call_makers())
-    print(table(f'{label}: first call (trace + compile)', first, 'ms', 'raw jax.jit(jax.vmap)'))
+    hidden, points = SIZES[size]
+    label = f'{MEMBERS}-member adam step, {size} size (H={hidden}, {points} points)'
+    steps = interleaved(variants(hidden, points), rounds=args.rounds, calls=args.calls)
+    print(table(f'{label}: per-step median', steps, 'us', RAW))
+    print(f'\nnnx path / brainnx: {steps[NNX] / steps[BNX]:.1f}x\n')
+    first = first_calls(first_call_makers(hidden, points))
+    print(table(f'{label}: first call (trace + compile)', first, 'ms', RAW))
     print()
 
 

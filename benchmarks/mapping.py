@@ -9,6 +9,9 @@ Variants, interleaved in one process:
   brainnx jit(vmap) (arg)           ensemble passed with ``in_axes=(0, None)``
   brainnx vmap, eager               no outer jit: brainnx compiles it itself
   nnx.jit(nnx.vmap)                 ensemble passed with ``in_axes=(0, None)``
+  eqx.filter_jit(eqx.filter_vmap)   the same arrays as an equinox module, ``in_axes=(0, None)`` (bench extra)
+  brainstate jit(vmap2)             the same arrays as ``ParamState``s, captured, ``state_in_axes=ParamState``
+                                    (bench extra)
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).parent))
-import brainnx as bnx  # noqa: E402
+import _peers  # noqa: E402
 from _timing import interleaved, table  # noqa: E402
+
+import brainnx as bnx  # noqa: E402
 
 MEMBERS = 8
 
@@ -54,15 +59,23 @@ def variants():
   flax_ens = nnx.merge(*nnx.split(ens))
   nnx_fn = nnx.jit(nnx.vmap(lambda m, x: m(x), in_axes=(0, None)))
   ref = raw(params, x)
-  for out in (closure(x), arg(ens, x), eager(ens, x), nnx_fn(flax_ens, x)):
-    assert jnp.allclose(out, ref, atol=1e-5), 'variants disagree'
-  return {
+  found = {
     'raw jax.jit(jax.vmap)': lambda: raw(params, x),
     'brainnx jit(vmap) (closure)': lambda: closure(x),
     'brainnx jit(vmap) (arg)': lambda: arg(ens, x),
     'brainnx vmap (eager)': lambda: eager(ens, x),
     'nnx.jit(nnx.vmap)': lambda: nnx_fn(flax_ens, x),
   }
+  pairs = [(params[n]['kernel'], params[n]['bias']) for n in ('l1', 'l2')]
+  if _peers.HAVE_EQX:
+    eqx_ens, eqx_fn = _peers.eqx_model(pairs, jax.nn.relu), _peers.eqx_ensemble_forward()
+    found['eqx.filter_jit(eqx.filter_vmap)'] = lambda: eqx_fn(eqx_ens, x)
+  if _peers.HAVE_BST:
+    bst_fn = _peers.bst_ensemble_forward(_peers.bst_model(pairs, jax.nn.relu), MEMBERS)
+    found['brainstate jit(vmap2)'] = lambda: bst_fn(x)
+  for name, fn in found.items():
+    assert jnp.allclose(fn(), ref, atol=1e-5), f'{name} disagrees with raw'
+  return found
 
 
 def one_off_variants():
@@ -84,7 +97,8 @@ def main(argv=None) -> None:
   parser.add_argument('--rounds', type=int, default=30)
   parser.add_argument('--calls', type=int, default=200)
   args = parser.parse_args(argv)
-  print(f'jax {jax.__version__} on {jax.devices()[0].platform}\n')
+  print(f'jax {jax.__version__}, {_peers.versions()} on {jax.devices()[0].platform}')
+  print(_peers.notes() + '\n')
   results = interleaved(variants(), rounds=args.rounds, calls=args.calls)
   print(table(f'{MEMBERS}-member ensemble forward, batch 16: per-call median', results, 'us', 'raw jax.jit(jax.vmap)'))
   once = interleaved(one_off_variants(), rounds=max(5, args.rounds // 3), calls=10)

@@ -1,4 +1,4 @@
-"""Per-call overhead of brainnx.jit against raw jax.jit, nnx.jit and nnx.cached_partial.
+"""Per-call overhead of brainnx.jit against raw jax.jit, nnx.jit, nnx.cached_partial, equinox and brainstate.
 
 Run: ``python benchmarks/overhead.py`` (prints markdown tables).
 
@@ -9,6 +9,8 @@ Variants, interleaved in one process:
   brainnx (arg)      ``bnx.jit(lambda m, x: m(x))(model, x)``
   nnx.jit            ``nnx.jit(lambda m, x: m(x))(model, x)``
   nnx.cached_partial ``nnx.cached_partial(nnx.jit(f), model)(x)``
+  eqx.filter_jit     ``eqx.filter_jit(lambda m, x: m(x))(model, x)``, the same arrays  (bench extra)
+  brainstate jit     ``brainstate.transform.jit(lambda x: model(x))``, the same arrays (bench extra)
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).parent))
-import brainnx as bnx  # noqa: E402
+import _peers  # noqa: E402
 from _timing import first_calls, interleaved, table  # noqa: E402
+
+import brainnx as bnx  # noqa: E402
 
 
 class Stack(nnx.Module):
-  def __init__(self, depth: int, rngs: nnx.Rngs):
-    self.layers = nnx.List([nnx.Linear(32, 32, rngs=rngs) for _ in range(depth)])
+  def __init__(self, depth: int, rngs: nnx.Rngs, width: int = 32):
+    self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(depth)])
 
   def __call__(self, x):
     for i, layer in enumerate(self.layers):
@@ -47,52 +51,79 @@ def pure(params, x):
   return x
 
 
-def variants(depth: int):
-  model = Stack(depth, nnx.Rngs(0))
-  x = jnp.ones((16, 32))
-  params = [(l.kernel[...], l.bias[...]) for l in model.layers]
+def variants(depth: int, width: int = 32, batch: int = 16, cached_partial: bool = True):
+  model = Stack(depth, nnx.Rngs(0), width)
+  x = jnp.ones((batch, width))
+  params = _peers.params_of(model.layers)
+  # nnx's rows get their own copy (same arrays): an nnx.jit call re-inserts the attributes of
+  # the modules it updates, and brainnx, whose guard sees that, would re-discover on its next
+  # call; sharing one model would time that, not the steady state.
+  flax_model = nnx.merge(*nnx.split(model))
   raw = jax.jit(pure)
   closure = bnx.jit(lambda x: model(x))
   arg = bnx.jit(lambda m, x: m(x))
   nnx_jit = nnx.jit(lambda m, x: m(x))
-  cached = nnx.cached_partial(nnx_jit, model)
   ref = raw(params, x)
-  for out in (closure(x), arg(model, x), nnx_jit(model, x), cached(x)):
-    assert jnp.allclose(out, ref, atol=1e-5), 'variants disagree'
-  return {
+  found = {
     'raw jax.jit': lambda: raw(params, x),
     'brainnx.jit (closure)': lambda: closure(x),
     'brainnx.jit (arg)': lambda: arg(model, x),
-    'nnx.jit': lambda: nnx_jit(model, x),
-    'nnx.cached_partial': lambda: cached(x),
+    'nnx.jit': lambda: nnx_jit(flax_model, x),
   }
+  if cached_partial:
+    cached = nnx.cached_partial(nnx_jit, flax_model)
+    found['nnx.cached_partial'] = lambda: cached(x)
+  if _peers.HAVE_EQX:
+    eqx_model, eqx_fn = _peers.eqx_model(params, jax.nn.relu), _peers.eqx_forward()
+    found['eqx.filter_jit'] = lambda: eqx_fn(eqx_model, x)
+  if _peers.HAVE_BST:
+    bst_fn = _peers.bst_forward(_peers.bst_model(params, jax.nn.relu))
+    found['brainstate jit'] = lambda: bst_fn(x)
+  for name, fn in found.items():
+    assert jnp.allclose(fn(), ref, atol=1e-5), f'{name} disagrees with raw jax.jit'
+  return found
 
 
-def first_call_makers(depth: int):
-  x = jnp.ones((16, 32))
+def first_call_makers(depth: int, width: int = 32, batch: int = 16):
+  x = jnp.ones((batch, width))
+
+  def fresh_params():
+    return _peers.params_of(Stack(depth, nnx.Rngs(0), width).layers)
 
   def raw():
-    model = Stack(depth, nnx.Rngs(0))
-    params = [(l.kernel[...], l.bias[...]) for l in model.layers]
+    params = fresh_params()
     f = jax.jit(lambda p, x: pure(p, x))
     return lambda: f(params, x)
 
   def closure():
-    model = Stack(depth, nnx.Rngs(0))
+    model = Stack(depth, nnx.Rngs(0), width)
     f = bnx.jit(lambda x: model(x))
     return lambda: f(x)
 
   def arg():
-    model = Stack(depth, nnx.Rngs(0))
+    model = Stack(depth, nnx.Rngs(0), width)
     f = bnx.jit(lambda m, x: m(x))
     return lambda: f(model, x)
 
   def nnx_jit():
-    model = Stack(depth, nnx.Rngs(0))
+    model = Stack(depth, nnx.Rngs(0), width)
     f = nnx.jit(lambda m, x: m(x))
     return lambda: f(model, x)
 
-  return {'raw jax.jit': raw, 'brainnx.jit (closure)': closure, 'brainnx.jit (arg)': arg, 'nnx.jit': nnx_jit}
+  def equinox():
+    model, f = _peers.eqx_model(fresh_params(), jax.nn.relu), _peers.eqx_forward()
+    return lambda: f(model, x)
+
+  def brainstate():
+    f = _peers.bst_forward(_peers.bst_model(fresh_params(), jax.nn.relu))
+    return lambda: f(x)
+
+  makers = {'raw jax.jit': raw, 'brainnx.jit (closure)': closure, 'brainnx.jit (arg)': arg, 'nnx.jit': nnx_jit}
+  if _peers.HAVE_EQX:
+    makers['eqx.filter_jit'] = equinox
+  if _peers.HAVE_BST:
+    makers['brainstate jit'] = brainstate
+  return makers
 
 
 def main(argv=None) -> None:
@@ -101,7 +132,8 @@ def main(argv=None) -> None:
   parser.add_argument('--calls', type=int, default=500)
   parser.add_argument('--deep', type=int, default=100, help='depth of the deep stack')
   args = parser.parse_args(argv)
-  print(f'jax {jax.__version__}, flax {flax.__version__} on {jax.devices()[0].platform}\n')
+  print(f'jax {jax.__version__}, flax {flax.__version__}, {_peers.versions()} on {jax.devices()[0].platform}')
+  print(_peers.notes() + '\n')
 
   shallow = interleaved(variants(2), rounds=args.rounds, calls=args.calls)
   print(table('2-layer MLP 32x32, batch 16: per-call median', shallow, 'us', 'raw jax.jit'))
@@ -119,7 +151,7 @@ def main(argv=None) -> None:
   print()
   print('### Overhead growth per extra Variable (brainnx minus raw, deep minus shallow)')
   print()
-  for name in ('brainnx.jit (closure)', 'brainnx.jit (arg)', 'nnx.jit'):
+  for name in [n for n in deep if n not in ('raw jax.jit', 'nnx.cached_partial')]:
     growth = ((deep[name] - deep['raw jax.jit']) - (shallow[name] - shallow['raw jax.jit'])) / extra_vars
     print(f'- {name}: {growth:.3f} us per Variable')
 
