@@ -178,33 +178,31 @@ class Guard:
   (static attributes may be re-set to equal values), and the graph entries
   (Variables, Modules, containers holding them) by identity. Data-attribute
   arrays are state, like a Variable's value: not compared at all.
+
+  The attribute dicts of flax Pytrees (Modules, ``nnx.List``, ``Rngs``, ...) are
+  compared only when flax has changed some Pytree's attributes since the last
+  passing check (``_compat.PYTREE_EDITS``); plain objects, dicts and lists, which
+  nothing counts, are compared on every call. So a warm call over a deep model
+  costs a few identity checks, not one comparison per attribute.
   """
 
-  __slots__ = ('_cells', '_globals', '_views', '_size', '_static_at', '_static_values', '_graph_at', '_graph_values', 'ok')
+  __slots__ = ('_cells', '_globals', '_all', '_uncounted', '_seen', 'ok')
 
-  def __init__(self, cells, globals_, containers, masks):
+  def __init__(self, cells, globals_, containers, masks, counted):
     self._cells = tuple(cells)  # (cell, object)
     self._globals = tuple(globals_)  # (namespace, name, object)
-    # live views: reading them costs no method call per container
-    self._views = tuple(c.values() if isinstance(c, dict) else c for c in containers)
-    codes = list(_chain(masks))
-    values = list(_chain(self._views))
-    self._size = len(values)
-    if DATA in codes:
-      self._static_at = _picker([i for i, c in enumerate(codes) if c == STATIC])
-    else:  # the common case: the whole list, compared in one C call
-      self._static_at = _whole
-    self._graph_at = _picker([i for i, c in enumerate(codes) if c == GRAPH])
-    self._static_values = self._static_at(values)
-    self._graph_values = self._graph_at(values)
+    self._all = _entry_check(containers, masks)
+    self._uncounted = _entry_check(
+      [c for c, n in zip(containers, counted) if not n], [m for m, n in zip(masks, counted) if not n]
+    )
+    self._seen = [-1]  # the edit count at the last passing full check; -1: none yet
     self.ok = self._make_check()
 
   def _make_check(self):
-    """``ok()`` as a closure over locals: this runs on every warm call."""
-    cells, namespaces, views, size = self._cells, self._globals, self._views, self._size
-    static_at, static_values = self._static_at, self._static_values
-    graph_at, graph_values = self._graph_at, self._graph_values
-    chain, is_ = _chain, operator.is_
+    """``ok()`` as a closure over locals: this runs on every warm call (a few names: plain
+    loops beat C-level ``map`` here, whose set-up costs more than the comparisons)."""
+    cells, namespaces = self._cells, self._globals
+    check_all, check_uncounted, seen, edits = self._all, self._uncounted, self._seen, _compat.PYTREE_EDITS
 
     def ok() -> bool:
       if cells:
@@ -217,17 +215,46 @@ class Guard:
       for namespace, name, obj in namespaces:
         if namespace.get(name, _MISSING) is not obj:
           return False
-      now = [*chain(views)]
-      if len(now) != size:
+      if edits[0] == seen[0]:
+        return check_uncounted is None or check_uncounted()
+      mark = edits[0]  # read before the check: an edit during it moves the count past mark
+      if check_all is not None and not check_all():
         return False
-      try:
-        if static_at(now) != static_values:
-          return False
-      except Exception:  # an array compared with an array: no single truth value
-        return False
-      return all(map(is_, graph_at(now), graph_values))
+      seen[0] = mark
+      return True
 
     return ok
+
+
+def _entry_check(containers, masks) -> Callable[[], bool] | None:
+  """``check()``: whether ``containers`` hold the entries they hold now (see :class:`Guard`);
+  ``None`` when there are none."""
+  if not containers:
+    return None
+  views = tuple(c.values() if isinstance(c, dict) else c for c in containers)
+  codes = list(_chain(masks))
+  values = list(_chain(views))
+  size = len(values)
+  if DATA in codes:
+    static_at = _picker([i for i, c in enumerate(codes) if c == STATIC])
+  else:  # the common case: the whole list, compared in one C call
+    static_at = _whole
+  graph_at = _picker([i for i, c in enumerate(codes) if c == GRAPH])
+  static_values, graph_values = static_at(values), graph_at(values)
+  chain, is_ = _chain, operator.is_
+
+  def check() -> bool:
+    now = [*chain(views)]
+    if len(now) != size:
+      return False
+    try:
+      if static_at(now) != static_values:
+        return False
+    except Exception:  # an array compared with an array: no single truth value
+      return False
+    return all(map(is_, graph_at(now), graph_values))
+
+  return check
 
 
 # What a guarded container entry is: compared by equality, by identity, or not at all (its
@@ -332,6 +359,7 @@ class _Walker:
     self.streams = []
     self.aliases = []  # (index, path, root): a Variable reached again from another root
     self.containers = []  # guarded: they hold graph nodes
+    self.counted = []  # per guarded container: a flax Pytree's attributes (edits counted)
     self.watched = []  # every mutable container met
     self.masks = []
     self.signature = []
@@ -422,6 +450,7 @@ class _Walker:
         statics.append((name, static_key(value)))
     mask = [codes.get(name, STATIC) for name, _ in items]
     self.containers.append(attrs)
+    self.counted.append(True)
     self.watched.append(attrs)
     self.masks.append(mask)
     self.signature.append((path, type(node), tuple(statics)))
@@ -442,6 +471,7 @@ class _Walker:
       return False
     if mutable:
       self.containers.append(container)
+      self.counted.append(False)
       self.masks.append(mask)
     if owner is not None:  # a plain object: its other attributes are static, like a Module's
       statics = tuple((k, static_key(v)) for (k, v), m in zip(items, mask) if not m)
@@ -468,6 +498,7 @@ class _Walker:
       return False
     self._relevant.add(key)
     self.containers.append(container)
+    self.counted.append(False)
     self.masks.append(mask)
     self.signature.append((path, type(container), tuple(k for (k, _), m in zip(items, mask) if m)))
     return True
@@ -632,7 +663,7 @@ def discover(fun: Callable, args: tuple, kwargs: dict) -> Discovery:
     containers=tuple(walker.watched),
     streams=tuple(walker.streams),
     aliases=tuple(walker.aliases),
-    guard=Guard(roots.cells, roots.globals, walker.containers, walker.masks),
+    guard=Guard(roots.cells, roots.globals, walker.containers, walker.masks, walker.counted),
     signature=(tuple(walker.signature), tuple(roots.captured)),
   )
 

@@ -3,9 +3,10 @@
 Each call finds a *plan*: the discovered Variables and the compiled program
 for this call's references (graph nodes passed as arguments) and static
 arguments. A plan is reused while its guard holds (same objects under the
-same names and attributes), so a warm call costs one identity check per
-container, one value read per Variable, the ``jax.jit`` dispatch, and one
-write per written Variable. The compiled program evaluates the
+same names and attributes; flax Pytrees' attributes are compared only after
+flax reports an attribute edit), so a warm call costs a few identity checks,
+one value read per Variable, the ``jax.jit`` dispatch, and one write per
+written Variable. The compiled program evaluates the
 ``StatefulFunction`` jaxpr; weak types are part of its signature, as in
 ``jax.jit``. A plan holds the objects passed by reference weakly:
 dropping a model drops its plan.
@@ -40,7 +41,9 @@ from brainnx._caches import LRUCache
 from brainnx._discovery import Discovery, discover, holds_graph_node
 from brainnx._filters import to_filter
 from brainnx._sharding import Rules, arg_specs, constrain, layout_of, place
-from brainnx._tracing import TRACE_LOCK, StatefulFunction, Trace, abstract_states, adopt_new, write_values
+from brainnx._tracing import (
+  STATE_CHANGES, TRACE_LOCK, StatefulFunction, Trace, abstract_states, adopt_new, read_values, set_values, write_values,
+)
 
 __all__ = ['jit', 'JittedFunction', 'JitOptions']
 
@@ -127,8 +130,7 @@ class _Plan:
 
   def state(self) -> tuple:
     """The program's state arguments: ``(values,)``, or ``(donated values, the others)``."""
-    with TRACE_LOCK:
-      values = list(map(_raw_value, self.variables))
+    values = read_values(self.variables)
     if not self.donated:
       return (values,)
     return [values[i] for i in self.donated], [values[i] for i in self.kept]
@@ -191,30 +193,32 @@ def _warm_call(plan: _Plan):
   every attribute lookup here is paid on every call.
   """
   guard, compiled, variables, carrier = plan.disc.guard.ok, plan.compiled, plan.variables, plan.carrier
-  raw, fast_dyn, lock = _raw_value, _FAST_DYN, TRACE_LOCK
+  raw, fast_dyn, changes, read = _raw_value, _FAST_DYN, STATE_CHANGES, read_values
   call = plan.call
   n = call.n_args
 
   if not call.has_mixed and not call.kw_names and not call.statics and not plan.donated:
     ref_pairs = tuple(zip(call.slots_of(ArgKind.REF), plan.ref_refs))
     dyn_slots = call.slots_of(ArgKind.DYN)
-    simple = not ref_pairs
 
     def warm(args, kwargs):
       if kwargs or len(args) != n:
         return _MISS
-      for s, ref in ref_pairs:
-        if args[s] is not ref():
-          return _MISS
-      dyn = args if simple else tuple([args[s] for s in dyn_slots])
-      for x in dyn:
+      if ref_pairs:
+        for s, ref in ref_pairs:
+          if args[s] is not ref():
+            return _MISS
+        args = tuple([args[s] for s in dyn_slots])
+      for x in args:
         if type(x) not in fast_dyn and holds_graph_node(x):
           return _MISS
       if not guard():
         return _MISS
-      with lock:
-        state = list(map(raw, variables))
-      return _complete(plan, compiled(carrier, state, *dyn))
+      begun = changes[1]  # read_values, inlined
+      state = None if changes[0] else list(map(raw, variables))
+      if state is None or changes[1] != begun:  # another thread is changing values: wait for it
+        state = read(variables)
+      return _complete(plan, compiled(carrier, state, *args))
 
     return warm
 
@@ -474,8 +478,7 @@ def _complete(plan: _Plan, result):
 def _write(plan: _Plan, written: dict) -> None:
   values = written.values()
   if type(next(iter(values))) is _compat.ArrayImpl:  # concrete: we run eagerly, the write is ours
-    with TRACE_LOCK:
-      _compat.set_raw_values(map(plan.variables.__getitem__, written), values)
+    set_values(list(map(plan.variables.__getitem__, written)), values)
   else:
     write_values(plan.disc, tuple(written), tuple(values))
 
@@ -552,6 +555,15 @@ def jit(
   The returned function has ``.lower(*args)`` (whose ``.compile()`` is
   callable with the same arguments and writes back), ``.clear_cache()`` and
   ``.stateful_fun`` (the underlying :class:`StatefulFunction`).
+
+  A call retraces when the objects it reaches change: a rebound global or
+  closure name, an attribute set or deleted on a Module (or ``nnx.List``,
+  ``nnx.Dict``, ``Rngs``, ...), an entry of a plain dict, list or object. The
+  attributes of flax Pytrees are compared only after flax has changed some
+  Pytree's attributes (``setattr``, ``delattr``, an nnx transform's write-back),
+  which is what keeps a warm call over a deep model cheap; writes that bypass
+  flax (``vars(module)[name] = x``, ``object.__setattr__``) are not noticed:
+  call ``.clear_cache()`` after them.
 
   Threads: calls of brainnx transforms never see another thread's tracers.
   A plain read of a Variable (``v[...]``) outside any brainnx call while

@@ -43,13 +43,40 @@ from brainnx._discovery import Discovery, discover, walk_new
 from brainnx._outputs import OutSpec, split_output
 
 __all__ = [
-  'StatefulFunction', 'make_jaxpr', 'StepResult', 'Trace', 'TraceKey', 'TRACE_LOCK', 'abstract_args',
-  'abstract_states', 'adopt_new', 'state_step', 'trace_call', 'write_values',
+  'StatefulFunction', 'make_jaxpr', 'StepResult', 'Trace', 'TraceKey', 'TRACE_LOCK', 'STATE_CHANGES',
+  'abstract_args', 'abstract_states', 'adopt_new', 'read_values', 'state_step', 'trace_call', 'write_values',
 ]
 
 #: Held while Variables hold tracers, and by warm calls while they read and write
 #: Variables, so that no brainnx call in one thread sees another thread's tracers.
 TRACE_LOCK = threading.RLock()
+
+#: ``[in progress, begun]``: changes of Variable values that another thread must not see
+#: half done (a trace swapping tracers in, a write-back), counted under ``TRACE_LOCK``. A warm
+#: call reads without taking the lock when none is in progress and none began during its read.
+STATE_CHANGES = [0, 0]
+
+
+def read_values(variables: Sequence) -> list:
+  """Every Variable's value: never another thread's tracer, nor half of its write-back."""
+  changes, begun = STATE_CHANGES, STATE_CHANGES[1]
+  if not changes[0]:
+    values = list(map(_compat.raw_value, variables))
+    if changes[1] == begun:
+      return values
+  with TRACE_LOCK:
+    return list(map(_compat.raw_value, variables))
+
+
+def set_values(variables: Sequence, values) -> None:
+  """Store concrete ``values`` in ``variables`` as one change (see ``STATE_CHANGES``)."""
+  with TRACE_LOCK:
+    STATE_CHANGES[0] += 1
+    STATE_CHANGES[1] += 1
+    try:
+      _compat.set_raw_values(variables, values)
+    finally:
+      STATE_CHANGES[0] -= 1
 
 
 # -- the state step -----------------------------------------------------------------
@@ -71,6 +98,8 @@ def swapped(disc: Discovery, values: Sequence, *, keep_new: bool = True):
     old_node_levels = [_compat.get_node_trace_state(n) for n in nodes]
     contents = disc.snapshot()
     level = _compat.new_trace_state()
+    STATE_CHANGES[0] += 1
+    STATE_CHANGES[1] += 1
     try:
       for v, x in zip(variables, values):
         _compat.set_raw_value(v, x)
@@ -89,6 +118,7 @@ def swapped(disc: Discovery, values: Sequence, *, keep_new: bool = True):
         _compat.set_node_trace_state(v, lv)
       for n, lv in zip(nodes, old_node_levels):
         _compat.set_node_trace_state(n, lv)
+      STATE_CHANGES[0] -= 1
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -172,9 +202,7 @@ def write_values(disc: Discovery, indices: Sequence[int], values: Sequence) -> N
         'transform (brainnx.jit, brainnx.vmap, brainnx.scan, ...), or return the value '
         'instead of writing it.'
       )
-  with TRACE_LOCK:
-    for i, x in zip(indices, values):
-      _compat.set_raw_value(variables[i], x)
+  set_values([variables[i] for i in indices], values)
 
 
 def _holds_tracer(x) -> bool:

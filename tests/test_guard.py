@@ -1,0 +1,177 @@
+"""A cached plan notices every way its graph can change, also after warm calls took the fast path.
+
+Warm calls compare the attributes of flax Pytrees only when flax reports an edit
+(``_compat.PYTREE_EDITS``); plain dicts, lists and objects are compared on every call.
+Each case makes several warm calls, changes the model one way, and checks the next call
+against the same model called eagerly (an ``nnx.clone`` taken just before the call).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import brainnx as bnx
+from brainnx import _compat
+
+X = jax.random.normal(jax.random.key(0), (4, 3))
+
+
+class Net(nnx.Module):
+  def __init__(self, rngs):
+    self.layers = nnx.List([nnx.Linear(3, 3, rngs=rngs) for _ in range(2)])
+    self.gains = nnx.Dict(scale=nnx.Param(jnp.ones(3)))
+    self.factor = 1.0  # a static attribute the trace bakes in
+    self.drop = nnx.Dropout(0.5, deterministic=True, rngs=rngs)
+
+  def __call__(self, x):
+    for layer in self.layers:
+      x = jnp.tanh(layer(x))
+    x = self.drop(x * self.gains['scale'][...] * self.factor)
+    skip = getattr(self, 'skip', None)
+    return x if skip is None else x + skip(x)
+
+
+def _replace_kernel(net):
+  net.layers[0].kernel = nnx.Param(jnp.full((3, 3), 0.5))
+
+
+def _static(net):
+  net.factor = 2.5
+
+
+def _add_submodule(net):
+  net.skip = nnx.Linear(3, 3, rngs=nnx.Rngs(5))
+
+
+def _delete_submodule(net):
+  del net.skip
+
+
+def _list_append(net):
+  net.layers.append(nnx.Linear(3, 3, rngs=nnx.Rngs(6)))
+
+
+def _list_setitem(net):
+  net.layers[1] = nnx.Linear(3, 3, rngs=nnx.Rngs(7))
+
+
+def _list_pop(net):
+  net.layers.pop()
+
+
+def _dict_setitem(net):
+  net.gains['scale'] = nnx.Param(jnp.full((3,), 3.0))
+
+
+def _train_mode(net):
+  net.train()  # nnx.Module.train sets Dropout.deterministic through setattr
+
+
+def _update_values(net):
+  other = Net(nnx.Rngs(9))
+  nnx.update(net, nnx.state(other, nnx.Param))
+
+
+def _nnx_jit_in_place(net):
+  # nnx.jit writes back by clearing and re-filling the attribute dicts of the nodes it updates
+  @nnx.jit
+  def scale_kernel(m):
+    m.layers[0].kernel[...] = m.layers[0].kernel[...] * 2.0
+
+  scale_kernel(net)
+
+
+def _nnx_jit_new_variable(net):
+  @nnx.jit
+  def attach(m):
+    m.layers[0].kernel = nnx.Param(jnp.eye(3))
+
+  attach(net)
+
+
+CHANGES = [
+  _replace_kernel, _static, _add_submodule, _delete_submodule, _list_append, _list_setitem, _list_pop,
+  _dict_setitem, _train_mode, _update_values, _nnx_jit_in_place, _nnx_jit_new_variable,
+]
+
+
+@pytest.mark.parametrize('as_argument', [False, True], ids=['closure', 'argument'])
+@pytest.mark.parametrize('change', CHANGES, ids=lambda f: f.__name__.strip('_'))
+def test_warm_plan_follows_change(change, as_argument):
+  net = Net(nnx.Rngs(0))
+  if change is _delete_submodule:
+    _add_submodule(net)
+  f = bnx.jit(lambda m, x: m(x)) if as_argument else bnx.jit(lambda x: net(x))
+  call = (lambda: f(net, X)) if as_argument else (lambda: f(X))
+  for _ in range(3):  # cold, then warm calls: the last ones skip the Pytree comparison
+    expected = nnx.clone(net)(X)
+    np.testing.assert_allclose(call(), expected, rtol=1e-6)
+  before = nnx.clone(net)(X)
+  change(net)
+  for _ in range(2):
+    twin = nnx.clone(net)
+    expected = twin(X)
+    np.testing.assert_allclose(call(), expected, rtol=1e-6)
+    # the Rngs advance as in the eager call (dropout draws only in train mode)
+    np.testing.assert_array_equal(nnx.state(net, nnx.RngCount), nnx.state(twin, nnx.RngCount))
+  if change not in (_train_mode,):
+    assert not np.allclose(before, expected), 'the change should change the output'
+
+
+def test_plain_containers_are_compared_on_every_call():
+  """A plain dict is invisible to flax's edit count: its entries are compared every call."""
+  weights = {'w': nnx.Param(jnp.ones((3, 2)))}
+  f = bnx.jit(lambda x: x @ weights['w'][...])
+  for _ in range(3):
+    np.testing.assert_allclose(f(X), X @ jnp.ones((3, 2)), rtol=1e-6)
+  edits = _compat.PYTREE_EDITS[0]
+  weights['w'] = nnx.Param(jnp.full((3, 2), 2.0))
+  assert _compat.PYTREE_EDITS[0] == edits  # no flax edit happened
+  np.testing.assert_allclose(f(X), X @ jnp.full((3, 2), 2.0), rtol=1e-6)
+  np.testing.assert_allclose(f(X), X @ jnp.full((3, 2), 2.0), rtol=1e-6)
+
+
+def test_plain_object_holding_module_is_compared_on_every_call():
+  class Holder:
+    def __init__(self, model):
+      self.model = model
+
+  holder = Holder(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
+  f = bnx.jit(lambda x: holder.model(x))
+  for _ in range(3):
+    f(X)
+  holder.__dict__['model'] = replacement = nnx.Linear(3, 2, rngs=nnx.Rngs(1))  # no setattr hook
+  np.testing.assert_allclose(f(X), replacement(X), rtol=1e-6)
+
+
+@pytest.mark.parametrize('edit', ['setattr', 'delattr', 'clear_init', 'setstate'])
+def test_every_flax_attribute_edit_is_counted(edit):
+  model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  before = _compat.PYTREE_EDITS[0]
+  if edit == 'setattr':
+    model.note = 'x'
+  elif edit == 'delattr':
+    model.note = 'x'
+    before = _compat.PYTREE_EDITS[0]
+    del model.note
+  elif edit == 'clear_init':
+    nnx.jit(lambda m: m.kernel.set_value(m.kernel[...] + 1))(model)
+  else:
+    model.__setstate__(model.__getstate__())
+  assert _compat.PYTREE_EDITS[0] > before
+
+
+def test_user_module_classes_count_edits():
+  """A Module class defined after brainnx was imported registers the counting methods too."""
+
+  class Late(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(jnp.ones(2))
+
+  m = Late()
+  f = bnx.jit(lambda: m.w[...].sum())
+  f(), f(), f()
+  m.w = nnx.Param(jnp.full(2, 4.0))
+  assert float(f()) == 8.0
