@@ -9,6 +9,8 @@ Variants, side by side in one process, each a jitted program over the same resid
                              built with ``bnx.vmap(lambda: Block(rngs), axis_size=depth)()``
   brainnx unrolled           a Python loop over ``depth`` separate modules under ``bnx.jit``
   nnx.scan                   ``nnx.scan`` over the same kind of stacked module under ``nnx.jit``
+  raw jax.lax.scan           the same scan on the stacked arrays with ``jax.jit``/``jax.grad``/optax:
+                             the floor any framework's scan over layers starts from
 
 Two programs for each variant:
 
@@ -40,6 +42,8 @@ at 48 layers it compiles about as long as the unrolled program. With an adam upd
 are 627 / 2499 fusions and 20 distinct kernels unrolled (HLO passes 280 ms at 48 layers, 1.5 s at
 192) against 35 fusions and 28 kernels for the scan. What grows with depth is the unrolled
 program's tracing, lowering, HLO passes and per-op thunk emission; that is where the scan wins.
+The raw ``jax.lax.scan`` row is the floor: the same scan written by hand compiles as slowly, so
+the scan's compile time on CPU is XLA's, not brainnx's (``benchmarks/results/layers.md``).
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ import brainnx as bnx  # noqa: E402
 from _timing import block, interleaved, table  # noqa: E402
 
 SCAN, UNROLLED, NNX = 'brainnx scan over layers', 'brainnx unrolled (Python loop)', 'nnx.scan'
+RAW = 'raw jax.lax.scan (pure arrays)'
 
 
 class Block(nnx.Module):
@@ -147,7 +152,30 @@ def builders(depth: int, width: int, train: bool):
 
     return _bound(step, stack, opt)
 
-  return {SCAN: scan_over_layers, UNROLLED: unrolled, NNX: nnx_scan}
+  def raw_scan():
+    # the floor: the same scan written by hand on the stacked arrays, no framework at all
+    rngs = nnx.Rngs(0)
+    stack = bnx.vmap(lambda: Block(width, rngs), axis_size=depth)()
+    params = {'kernel': stack.lin.kernel[...], 'bias': stack.lin.bias[...]}
+
+    def loss(params, x):
+      h, _ = jax.lax.scan(lambda h, p: (h + jnp.tanh(h @ p['kernel'] + p['bias']), None), x, params)
+      return (h ** 2).mean()
+
+    if not train:
+      return _bound(jax.jit(jax.grad(loss)), params)
+
+    tx = _tx()
+
+    @jax.jit
+    def step(params, opt_state, x):
+      value, grads = jax.value_and_grad(loss)(params, x)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return value, optax.apply_updates(params, updates), opt_state
+
+    return _bound(step, params, tx.init(params))
+
+  return {SCAN: scan_over_layers, UNROLLED: unrolled, NNX: nnx_scan, RAW: raw_scan}
 
 
 class _bound:
@@ -221,7 +249,9 @@ def main(argv=None) -> None:
       rows = {name: first_call(build, x, args.trials) for name, build in builders(depth, args.width, train).items()}
       print(first_call_table(f'{depth} layers, width {args.width}, {program}: first call', rows) + '\n', flush=True)
       summary.append((depth, program.split(' (')[0], rows[UNROLLED]['first call'] / rows[SCAN]['first call'],
-                      rows[UNROLLED]['compile'] / rows[SCAN]['compile']))
+                      rows[UNROLLED]['compile'] / rows[SCAN]['compile'],
+                      rows[UNROLLED]['first call'] / rows[RAW]['first call'],
+                      rows[SCAN]['first call'] / rows[RAW]['first call']))
 
   depth = args.depths[0]
   for train, program in ((False, 'grads (loss + gradients)'), (True, 'train step (loss + gradients + adam update)')):
@@ -229,11 +259,12 @@ def main(argv=None) -> None:
     steps = interleaved(fns, rounds=args.rounds, calls=args.calls)
     print(table(f'{depth} layers, width {args.width}, {program}: warm step', steps, 'us', NNX) + '\n', flush=True)
 
-  print('### Summary: unrolled / scan over layers\n')
-  print('| depth | program | first call | compile alone |')
-  print('|---:|---|---:|---:|')
-  for depth, program, first, compile_ in summary:
-    print(f'| {depth} | {program} | {first:.2f}x | {compile_:.2f}x |')
+  print('### Summary: first-call ratios\n')
+  print('| depth | program | unrolled / brainnx scan: first call | compile alone '
+        '| unrolled / raw lax.scan: first call | brainnx scan / raw lax.scan: first call |')
+  print('|---:|---|---:|---:|---:|---:|')
+  for depth, program, first, compile_, raw_first, scan_raw in summary:
+    print(f'| {depth} | {program} | {first:.2f}x | {compile_:.2f}x | {raw_first:.2f}x | {scan_raw:.2f}x |')
 
 
 if __name__ == '__main__':
