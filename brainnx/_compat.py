@@ -20,6 +20,7 @@ from flax.nnx import pytreelib as _pytreelib
 from flax.nnx import tracers as _nnx_tracers
 from jax._src import array as _jax_array
 from jax._src import core as _jax_core
+from jax._src import pjit as _jax_pjit
 from jax._src.interpreters import batching as _batching
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
   'Tracer',
   'at_top_level',
   'attributes',
+  'call_jaxpr',
   'can_update',
   'current_trace',
   'get_node_trace_state',
@@ -245,6 +247,32 @@ def is_batched_here(x, trace) -> bool:
 
 
 # -- jaxprs --------------------------------------------------------------------
+
+
+def call_jaxpr(closed, *args) -> list:
+  """``closed`` applied to ``args`` inside a trace: one inlined ``jit`` call, as ``jax.jit``
+  nests a jitted function. Under a tracing ``jit`` its equations are copied into the trace
+  as they are, instead of being bound again one by one (``jax.core.eval_jaxpr``); under
+  ``vmap``, ``grad`` and the rest, JAX's rules for nested ``jit`` apply."""
+  if at_top_level():
+    return _jax_core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+  n_in, n_out = len(closed.in_avals), len(closed.out_avals)
+  unspecified = _jax_pjit.UNSPECIFIED
+  return _jax_pjit.jit_p.bind(
+    *args,
+    jaxpr=closed,
+    in_shardings=(unspecified,) * n_in,
+    out_shardings=(unspecified,) * n_out,
+    in_layouts=(None,) * n_in,
+    out_layouts=(None,) * n_out,
+    donated_invars=(False,) * n_in,
+    ctx_mesh=_jax_pjit.get_ctx_mesh(False),
+    name='brainnx_call',
+    keep_unused=False,
+    inline=True,
+    compiler_options_kvs=(),
+  )
+
 
 
 def with_debug_names(debug_info, arg_names: tuple, result_paths: tuple):

@@ -324,6 +324,16 @@ class Discovery:
     """The contents of every container, for :meth:`restore` after a failed call."""
     return [dict(c) if isinstance(c, dict) else list(c) for c in self.containers]
 
+  def unchanged_since(self, saved: list) -> bool:
+    """Whether every container holds the very entries of :meth:`snapshot`'s ``saved``."""
+    for container, before in zip(self.containers, saved):
+      if len(container) != len(before):
+        return False
+      now, then = (container.values(), before.values()) if isinstance(container, dict) else (container, before)
+      if not all(map(operator.is_, now, then)):
+        return False
+    return True
+
   def restore(self, saved: list) -> None:
     """Undo the changes made since :meth:`snapshot` that add, replace or remove state (graph
     nodes, arrays); other Python side effects in the same containers stay."""

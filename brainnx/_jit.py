@@ -42,7 +42,7 @@ from brainnx._discovery import Discovery, discover, holds_graph_node
 from brainnx._filters import to_filter
 from brainnx._sharding import Rules, arg_specs, constrain, layout_of, place
 from brainnx._tracing import (
-  STATE_CHANGES, TRACE_LOCK, StatefulFunction, Trace, abstract_states, adopt_new, read_values, set_values, write_values,
+  STATE_CHANGES, StatefulFunction, Trace, abstract_states, adopt_new, read_values, set_values, write_values,
 )
 
 __all__ = ['jit', 'JittedFunction', 'JitOptions']

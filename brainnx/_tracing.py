@@ -84,7 +84,8 @@ def set_values(variables: Sequence, values) -> None:
 
 @contextlib.contextmanager
 def swapped(disc: Discovery, values: Sequence, *, keep_new: bool = True):
-  """Let every discovered Variable hold ``values[i]`` (writable here) inside the block.
+  """Let every discovered Variable hold ``values[i]`` (writable here) inside the block, which
+  receives the containers' contents as they were before it (``disc.snapshot()``).
 
   On exit every Variable gets its pre-call value and trace level back, and
   every graph node its trace level. If the block raises, or ``keep_new`` is
@@ -106,7 +107,7 @@ def swapped(disc: Discovery, values: Sequence, *, keep_new: bool = True):
         _compat.set_node_trace_state(v, level)
       for n in nodes:
         _compat.set_node_trace_state(n, level)
-      yield
+      yield contents
       if not keep_new:
         disc.restore(contents)
     except BaseException:
@@ -173,11 +174,15 @@ def state_step(fun: Callable, disc: Discovery, call: CallArgs, state_values: Seq
   call it inside their own trace. With ``keep_new=False`` Variables the
   function creates are detached again (a trace only).
   """
-  with swapped(disc, state_values, keep_new=keep_new):
+  with swapped(disc, state_values, keep_new=keep_new) as before:
+    edits = _compat.PYTREE_EDITS[0]
     args, kwargs = call.rebuild(dyn, call.refs)
     out = fun(*args, **kwargs)
     now = [_compat.raw_value(v) for v in disc.variables]
-    new_vars, new_nodes = walk_new(disc)
+    if _compat.PYTREE_EDITS[0] == edits and disc.unchanged_since(before):
+      new_vars, new_nodes = (), ()  # nothing was attached anywhere: no walk needed
+    else:
+      new_vars, new_nodes = walk_new(disc)
     new_values = [_compat.raw_value(v) for v in new_vars]
     for v in new_vars:  # no tracer may outlive its trace: adopt_new gives the final values
       _compat.set_raw_value(v, jax.tree.map(abstract, _compat.raw_value(v)))
@@ -306,7 +311,7 @@ class Trace:
     flat = []
     for x in state_values:
       flat.extend(jax.tree.leaves(x))
-    outs = jax.core.eval_jaxpr(self.closed.jaxpr, self.closed.consts, *flat, *dyn_leaves)
+    outs = _compat.call_jaxpr(self.closed, *flat, *dyn_leaves)
     it = iter(outs)
     states = [_take(d, it) for d in self.out_defs]
     new = [_take(d, it) for d in self.new_defs]
