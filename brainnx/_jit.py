@@ -42,13 +42,12 @@ from brainnx._discovery import Discovery, discover, holds_graph_node
 from brainnx._filters import to_filter
 from brainnx._sharding import Rules, arg_specs, constrain, layout_of, place
 from brainnx._tracing import (
-  STATE_CHANGES, StatefulFunction, Trace, abstract_states, adopt_new, read_values, set_values, write_values,
+  StatefulFunction, Trace, abstract_states, adopt_new, read_values, set_values, write_values,
 )
 
 __all__ = ['jit', 'JittedFunction', 'JitOptions']
 
 _FAST_DYN = (_compat.ArrayImpl, int, float, bool, complex)
-_raw_value = _compat.raw_value
 _MISS = object()
 
 
@@ -193,7 +192,7 @@ def _warm_call(plan: _Plan):
   every attribute lookup here is paid on every call.
   """
   guard, compiled, variables, carrier = plan.disc.guard.ok, plan.compiled, plan.variables, plan.carrier
-  raw, fast_dyn, changes, read = _raw_value, _FAST_DYN, STATE_CHANGES, read_values
+  fast_dyn, read = _FAST_DYN, read_values
   call = plan.call
   n = call.n_args
 
@@ -214,11 +213,7 @@ def _warm_call(plan: _Plan):
           return _MISS
       if not guard():
         return _MISS
-      begun = changes[1]  # read_values, inlined
-      state = None if changes[0] else list(map(raw, variables))
-      if state is None or changes[1] != begun:  # another thread is changing values: wait for it
-        state = read(variables)
-      return _complete(plan, compiled(carrier, state, *args))
+      return _complete(plan, compiled(carrier, read(variables), *args))
 
     return warm
 

@@ -47,8 +47,9 @@ __all__ = [
   'abstract_args', 'abstract_states', 'adopt_new', 'read_values', 'state_step', 'trace_call', 'write_values',
 ]
 
-#: Held while Variables hold tracers, and by warm calls while they read and write
-#: Variables, so that no brainnx call in one thread sees another thread's tracers.
+#: Held while Variables hold tracers and while values are written back, so that no brainnx
+#: call in one thread sees another thread's tracers (warm reads take it only when
+#: ``STATE_CHANGES`` says a change is under way: see :func:`read_values`).
 TRACE_LOCK = threading.RLock()
 
 #: ``[in progress, begun]``: changes of Variable values that another thread must not see
