@@ -1,19 +1,19 @@
 """brainnx: brainstate-style stateful transforms for Flax NNX."""
 
-from brainnx._autodiff import hessian, jacfwd, jacrev, jvp, vjp
-from brainnx._control import cond, ifelse, switch
-from brainnx._eval_shape import eval_shape
-from brainnx._filters import BatchAxisError
-from brainnx._grad import grad, value_and_grad
-from brainnx._jit import jit
-from brainnx._progress import ProgressBar
-from brainnx._loops import checkpointed_for_loop, checkpointed_scan, for_loop, fori_loop, scan, while_loop
-from brainnx._map import map
-from brainnx._mapping import vmap, vmap_new_states
-from brainnx._pmap import pmap
-from brainnx._remat import checkpoint, remat
-from brainnx._shard_map import shard_map
-from brainnx._tracing import StatefulFunction, make_jaxpr
+from brainnx._transforms.autodiff import hessian, jacfwd, jacrev, jvp, vjp
+from brainnx._transforms.control import cond, ifelse, switch
+from brainnx._transforms.eval_shape import eval_shape
+from brainnx._engine.errors import BatchAxisError
+from brainnx._transforms.grad import grad, value_and_grad
+from brainnx._transforms.jit import jit
+from brainnx._transforms.progress import ProgressBar
+from brainnx._transforms.loops import checkpointed_for_loop, checkpointed_scan, for_loop, fori_loop, scan, while_loop
+from brainnx._transforms.map import map
+from brainnx._transforms.vmap import vmap, vmap_new_states
+from brainnx._transforms.pmap import pmap
+from brainnx._transforms.remat import checkpoint, remat
+from brainnx._transforms.shard_map import shard_map
+from brainnx._engine.tracing import StatefulFunction, make_jaxpr
 
 def _version() -> str:
   """The installed distribution's version; the source tree's when brainnx is not installed."""

@@ -34,7 +34,7 @@ def _imports(path: pathlib.Path):
         yield node.module
 
 
-@pytest.mark.parametrize('path', sorted(PACKAGE.glob('*.py')), ids=lambda p: p.name)
+@pytest.mark.parametrize('path', sorted(PACKAGE.rglob('*.py')), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_no_private_imports_outside_compat(path):
   if path.name == '_compat.py':
     return
@@ -52,7 +52,7 @@ PRIVATE_USES = (
 )
 
 
-@pytest.mark.parametrize('path', sorted(PACKAGE.glob('*.py')), ids=lambda p: p.name)
+@pytest.mark.parametrize('path', sorted(PACKAGE.rglob('*.py')), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_attribute_dicts_are_reached_through_compat(path):
   """``vars(node)`` (whose writes bypass flax's checks) is called in _compat.py only."""
   if path.name == '_compat.py':

@@ -7,7 +7,7 @@ import optax
 import pytest
 from flax import nnx
 
-from brainnx._discovery import discover
+from brainnx._engine.discovery import discover
 from helpers import MLP
 
 GLOBAL_MODEL = MLP(2, 3, 1, rngs=nnx.Rngs(0))

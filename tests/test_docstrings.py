@@ -10,7 +10,7 @@ import pytest
 import brainnx
 
 MODULES = sorted(
-  name for _, name, _ in pkgutil.iter_modules(brainnx.__path__, 'brainnx.') if name != 'brainnx.demo'
+  name for _, name, _ in pkgutil.walk_packages(brainnx.__path__, 'brainnx.') if name != 'brainnx.demo'
 )
 
 

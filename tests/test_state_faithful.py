@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import brainnx as bnx
-from brainnx._discovery import discover
+from brainnx._engine.discovery import discover
 from helpers import no_tracers
 
 

@@ -27,10 +27,10 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from brainnx._discovery import discover
-from brainnx._eager import run
-from brainnx._loops import _Body, _dyn_leaves, _strong
-from brainnx._tracing import write_values
+from brainnx._engine.discovery import discover
+from brainnx._engine.eager import run
+from brainnx._transforms.loops import _Body, _dyn_leaves, _strong
+from brainnx._engine.tracing import write_values
 
 __all__ = ['cond', 'switch', 'ifelse']
 

@@ -8,7 +8,7 @@ leaves the key as it was and the count advanced by exactly one.
 
 Example:
   >>> import jax, jax.numpy as jnp
-  >>> from brainnx._rng import split_per_element
+  >>> from brainnx._engine.rng import split_per_element
   >>> keys = split_per_element(jax.random.key(0), jnp.uint32(0), 4)
   >>> keys.shape
   (4,)

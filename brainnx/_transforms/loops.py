@@ -26,12 +26,13 @@ import jax
 import jax.numpy as jnp
 
 from brainnx import _compat
-from brainnx._arguments import CallArgs
-from brainnx._discovery import Discovery, discover, is_graph_node
-from brainnx._eager import run
-from brainnx._filters import AxisRules
-from brainnx._progress import ProgressBar, check_pbar, runner_for
-from brainnx._tracing import Trace, abstract_args, abstract_states, adopt_new, aval_key, trace_call, write_values
+from brainnx._engine.arguments import CallArgs
+from brainnx._engine.discovery import Discovery, discover, is_graph_node
+from brainnx._engine.eager import run
+from brainnx._engine.filters import AxisRules
+from brainnx._transforms.progress import ProgressBar, check_pbar, runner_for
+from brainnx._engine.tracing import Trace, abstract_args, abstract_states, adopt_new, aval_key, trace_call, write_values
+from brainnx._engine.errors import check_callable
 
 __all__ = [
   'scan', 'for_loop', 'checkpointed_scan', 'checkpointed_for_loop', 'while_loop', 'fori_loop',
@@ -39,8 +40,9 @@ __all__ = [
 
 
 def _check_callable(f, name: str) -> None:
-  if not callable(f):
+  if not callable(f):  # jax.lax.scan's words
     raise TypeError(f'{name}: f argument should be a callable, got {type(f).__name__}')
+  check_callable(f, name)
 
 
 def leading_length(xs, length, name: str) -> int:

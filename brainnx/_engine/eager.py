@@ -7,7 +7,7 @@ cache that holds owners weakly: dropping the function drops its programs.
 
 Example:
   >>> import jax.numpy as jnp
-  >>> from brainnx._eager import run
+  >>> from brainnx._engine.eager import run
   >>> def body(f, x, scale):
   ...   return f(x) * scale
   >>> double = lambda x: x * 2
@@ -24,8 +24,8 @@ from typing import Any, Callable, Sequence
 import jax
 
 from brainnx import _compat
-from brainnx._caches import WeakCache
-from brainnx._jit import JitOptions, JittedFunction, weak_or_strong
+from brainnx._engine.caches import WeakCache
+from brainnx._engine.jitted import JitOptions, JittedFunction, weak_or_strong
 
 __all__ = ['eager', 'run']
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Hashable
 
-from brainnx._arguments import StaticArgs, normalize_argnums
-from brainnx._mapping import Mapper, map_config, mapped
+from brainnx._engine.arguments import StaticArgs, normalize_argnums
+from brainnx._transforms.vmap import Mapper, map_config, mapped
 
 __all__ = ['pmap']
 

@@ -25,11 +25,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from brainnx import _compat
-from brainnx._arguments import ArgKind, CallArgs
-from brainnx._discovery import Discovery, discover, holds_graph_node, is_graph_node
-from brainnx._eager import run
-from brainnx._filters import to_filter
-from brainnx._tracing import state_step, write_values
+from brainnx._engine.arguments import ArgKind, CallArgs
+from brainnx._engine.discovery import Discovery, discover, holds_graph_node, is_graph_node
+from brainnx._engine.eager import run
+from brainnx._engine.filters import to_filter
+from brainnx._engine.tracing import state_step, write_values
+from brainnx._engine.errors import check_callable
 
 __all__ = ['grad', 'value_and_grad']
 
@@ -284,8 +285,7 @@ def grad(
     >>> g.tolist(), float(value)
     ([6.0, 6.0], 9.0)
   """
-  if not callable(fun):
-    raise TypeError(f'grad needs a callable, got {type(fun).__name__}')
+  check_callable(fun, 'grad')
   return GradFunction(fun, grad_states, argnums, has_aux, return_value, with_value_first=False)
 
 
@@ -330,6 +330,5 @@ def value_and_grad(
     >>> grads['bias'][...].tolist()
     [1.0]
   """
-  if not callable(fun):
-    raise TypeError(f'value_and_grad needs a callable, got {type(fun).__name__}')
+  check_callable(fun, 'value_and_grad')
   return GradFunction(fun, grad_states, argnums, has_aux, False, with_value_first=True)

@@ -9,7 +9,7 @@ The first matching entry wins.
 Example:
   >>> import jax.numpy as jnp
   >>> from flax import nnx
-  >>> from brainnx._filters import AxisRules
+  >>> from brainnx._engine.filters import AxisRules
   >>> w, s = nnx.Param(jnp.ones(3)), nnx.BatchStat(jnp.ones(3))
   >>> rules = AxisRules({0: nnx.Param, None: ...}, 'state_in_axes')
   >>> rules.axis_of(('w',), w), rules.axis_of(('s',), s)
@@ -26,37 +26,7 @@ from flax import nnx
 
 from brainnx import _compat
 
-__all__ = ['AxisRules', 'BatchAxisError']
-
-
-class BatchAxisError(ValueError):
-  """A Variable's batch axis is not what the mapping needs (see ``vmap``).
-
-  Raised by :func:`vmap`, :func:`vmap_new_states` and :func:`pmap` when a
-  Variable's batch axis cannot be decided or contradicts itself: a broadcast
-  Variable whose new value differs per batch element (with
-  ``unexpected_out_state_mapping='raise'``), a Variable declared
-  ``state_out_axes=None`` whose new value depends on the batch, one Variable
-  reached two ways with two different batch axes, an in-axis that
-  disagrees with the declared ``state_out_axes``, or a Variable created
-  inside the mapped function that differs per element outside
-  ``vmap_new_states``. The message names the Variable and the fix. It is a
-  ``ValueError``, so ``except ValueError`` catches it too.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import brainnx as bnx
-    >>> last = nnx.Variable(jnp.zeros(()))
-    >>> def f(x):
-    ...   last[...] = x                # broadcast Variable, per-element value
-    ...   return x
-    >>> try:
-    ...   bnx.vmap(f)(jnp.arange(3.0))
-    ... except bnx.BatchAxisError as e:
-    ...   print(type(e).__name__, isinstance(e, ValueError))
-    BatchAxisError True
-  """
+__all__ = ['AxisRules']
 
 
 class _SameObject:

@@ -9,8 +9,8 @@ Example:
   >>> import jax.numpy as jnp
   >>> from jax.sharding import PartitionSpec as P
   >>> from flax import nnx
-  >>> from brainnx._discovery import discover
-  >>> from brainnx._sharding import Rules
+  >>> from brainnx._engine.discovery import discover
+  >>> from brainnx._engine.sharding import Rules
   >>> w = nnx.Param(jnp.zeros((8, 2)))
   >>> rules = Rules.parse({P('x'): nnx.Param}, 'state_shardings')
   >>> rules.specs(discover(lambda: w, (), {}), default=None)
@@ -27,9 +27,9 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from brainnx import _compat
-from brainnx._arguments import ArgKind, CallArgs
-from brainnx._discovery import Discovery
-from brainnx._filters import to_filter
+from brainnx._engine.arguments import ArgKind, CallArgs
+from brainnx._engine.discovery import Discovery
+from brainnx._engine.filters import to_filter
 
 __all__ = ['Rules', 'arg_specs', 'check_divides', 'constrain', 'lay_out', 'place', 'resolve']
 

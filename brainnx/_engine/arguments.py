@@ -8,7 +8,7 @@ dynamic.
 Example:
   >>> import jax.numpy as jnp
   >>> from flax import nnx
-  >>> from brainnx._arguments import ArgKind, CallArgs, StaticArgs
+  >>> from brainnx._engine.arguments import ArgKind, CallArgs, StaticArgs
   >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
   >>> statics = StaticArgs.resolve(lambda m, x, act: m(x), static_argnums=2)
   >>> call = CallArgs.split((model, jnp.ones(2), 'relu'), {}, statics)
@@ -28,7 +28,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import jax
 
-from brainnx._discovery import holds_graph_node, is_reference, static_key
+from brainnx._engine.discovery import holds_graph_node, is_reference, static_key
 
 __all__ = ['ArgKind', 'CallArgs', 'StaticArgs', 'normalize_argnums']
 

@@ -19,10 +19,11 @@ from typing import Any, Callable, Sequence
 import jax
 
 from brainnx import _compat
-from brainnx._arguments import CallArgs, StaticArgs, normalize_argnums
-from brainnx._discovery import discover
-from brainnx._eager import run
-from brainnx._tracing import state_step, write_values
+from brainnx._engine.arguments import CallArgs, StaticArgs, normalize_argnums
+from brainnx._engine.discovery import discover
+from brainnx._engine.eager import run
+from brainnx._engine.tracing import state_step, write_values
+from brainnx._engine.errors import check_callable
 
 __all__ = ['remat', 'checkpoint']
 
@@ -56,8 +57,7 @@ def remat(
     >>> float(bnx.remat(lambda x: x * 3)(2.0))
     6.0
   """
-  if not callable(fun):
-    raise TypeError(f'remat needs a callable, got {type(fun).__name__}')
+  check_callable(fun, 'remat')
   statics = StaticArgs(argnums=normalize_argnums(static_argnums))
 
   @functools.wraps(fun)

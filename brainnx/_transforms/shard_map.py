@@ -29,11 +29,12 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from brainnx import _compat
-from brainnx._arguments import ArgKind, CallArgs
-from brainnx._discovery import discover
-from brainnx._eager import run
-from brainnx._sharding import Rules, arg_specs, check_divides, constrain
-from brainnx._tracing import state_step, write_values
+from brainnx._engine.arguments import ArgKind, CallArgs
+from brainnx._engine.discovery import discover
+from brainnx._engine.eager import run
+from brainnx._engine.sharding import Rules, arg_specs, check_divides, constrain
+from brainnx._engine.tracing import state_step, write_values
+from brainnx._engine.errors import check_callable
 
 __all__ = ['shard_map']
 
@@ -89,8 +90,7 @@ def shard_map(
     >>> bnx.shard_map(lambda x: x + 1, mesh=mesh, in_specs=P('d'), out_specs=P('d'))(jnp.zeros(2)).tolist()
     [1.0, 1.0]
   """
-  if not callable(f):
-    raise TypeError(f'shard_map needs a callable, got {type(f).__name__}')
+  check_callable(f, 'shard_map')
   config = (
     mesh, _hashable(in_specs), _hashable(out_specs),
     Rules.parse(state_in_specs, 'state_in_specs'), Rules.parse(state_out_specs, 'state_out_specs'),

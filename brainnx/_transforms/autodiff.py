@@ -15,7 +15,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from brainnx._grad import GradFunction, _pure_call
+from brainnx._transforms.grad import GradFunction, _pure_call
+from brainnx._engine.errors import check_callable
 
 __all__ = ['jacrev', 'jacfwd', 'hessian', 'vjp', 'jvp']
 
@@ -28,8 +29,7 @@ def _derivative(transform, name: str):
     has_aux: bool = False,
     return_value: bool = False,
   ) -> GradFunction:
-    if not callable(fun):
-      raise TypeError(f'{name} needs a callable, got {type(fun).__name__}')
+    check_callable(fun, name)
     return GradFunction(fun, grad_states, argnums, has_aux, return_value, with_value_first=False, transform=transform)
 
   make.__name__ = make.__qualname__ = name
@@ -106,8 +106,7 @@ def vjp(fun: Callable, *primals, grad_states: Any = None, argnums: int | Sequenc
     >>> pull(jnp.array([1.0, 3.0]))[0].tolist()   # one cotangent per primal, as jax.vjp
     [2.0, 6.0]
   """
-  if not callable(fun):
-    raise TypeError(f'vjp needs a callable, got {type(fun).__name__}')
+  check_callable(fun, 'vjp')
   if argnums is None and grad_states is None:
     argnums = tuple(range(len(primals)))
   argnums_is_int = isinstance(argnums, int)
@@ -148,8 +147,7 @@ def jvp(fun: Callable, primals: Sequence, tangents: Sequence, has_aux: bool = Fa
     >>> bnx.jvp(lambda x: x ** 2, (jnp.float32(3.0),), (jnp.float32(1.0),))[1].tolist()
     6.0
   """
-  if not callable(fun):
-    raise TypeError(f'jvp needs a callable, got {type(fun).__name__}')
+  check_callable(fun, 'jvp')
   primals = tuple(primals)
   nums = tuple(range(len(primals)))
   pure, target_vals, arg_vals, write_back, _ = _pure_call(fun, None, nums, has_aux, primals, {}, 'jvp')

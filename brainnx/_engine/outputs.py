@@ -7,8 +7,8 @@ the trace (stacked, under ``vmap``) and be merged into a fresh module.
 
 Example:
   >>> from flax import nnx
-  >>> from brainnx._discovery import discover
-  >>> from brainnx._outputs import split_output
+  >>> from brainnx._engine.discovery import discover
+  >>> from brainnx._engine.outputs import split_output
   >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
   >>> disc = discover(lambda m: m, (model,), {})
   >>> spec, leaves = split_output((model, 1.0), disc)
@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from brainnx import _compat
-from brainnx._discovery import Discovery, is_graph_node, is_reference
+from brainnx._engine.discovery import Discovery, is_graph_node, is_reference
 
 __all__ = ['OutSpec', 'split_output']
 

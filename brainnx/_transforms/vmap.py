@@ -35,14 +35,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from brainnx import _compat
-from brainnx._arguments import ArgKind, CallArgs, StaticArgs
-from brainnx._discovery import LIBRARY_DIRS, Discovery, RootKind, discover, is_graph_node, key_name
-from brainnx._eager import run
-from brainnx._filters import AxisRules, BatchAxisError
-from brainnx._jit import JitOptions
-from brainnx._outputs import OutSpec
-from brainnx._rng import advanced_count, split_per_element
-from brainnx._tracing import adopt_new, state_step, write_values
+from brainnx._engine.arguments import ArgKind, CallArgs, StaticArgs
+from brainnx._engine.discovery import LIBRARY_DIRS, Discovery, RootKind, discover, is_graph_node, key_name
+from brainnx._engine.eager import run
+from brainnx._engine.errors import BatchAxisError
+from brainnx._engine.filters import AxisRules
+from brainnx._engine.jitted import JitOptions
+from brainnx._engine.outputs import OutSpec
+from brainnx._engine.rng import advanced_count, split_per_element
+from brainnx._engine.tracing import adopt_new, state_step, write_values
+from brainnx._engine.errors import check_callable
 
 __all__ = ['vmap', 'vmap_new_states', 'MappedFunction', 'MapConfig', 'Mapper', 'Policy']
 
@@ -578,8 +580,7 @@ def mapped(name: str, fn: Callable | None, config: MapConfig):
   """A ``MappedFunction`` of ``fn`` with ``config``, or a decorator when ``fn`` is None."""
   if fn is None:
     return lambda f: mapped(name, f, config)
-  if not callable(fn):
-    raise TypeError(f'{name} needs a callable, got {type(fn).__name__}')
+  check_callable(fn, name)
   size = config.axis_size
   if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
     raise ValueError(f'{name}: axis_size must be a non-negative int, got axis_size={size!r}')

@@ -37,10 +37,11 @@ import jax.extend
 import numpy as np
 
 from brainnx import _compat
-from brainnx._arguments import CallArgs, StaticArgs
-from brainnx._caches import LRUCache
-from brainnx._discovery import Discovery, discover, walk_new
-from brainnx._outputs import OutSpec, split_output
+from brainnx._engine.arguments import CallArgs, StaticArgs
+from brainnx._engine.caches import LRUCache
+from brainnx._engine.discovery import Discovery, discover, walk_new
+from brainnx._engine.outputs import OutSpec, split_output
+from brainnx._engine.errors import check_callable
 
 __all__ = [
   'StatefulFunction', 'make_jaxpr', 'StepResult', 'Trace', 'TraceKey', 'TRACE_LOCK', 'STATE_CHANGES',
@@ -518,8 +519,7 @@ class StatefulFunction:
     *,
     cache_size: int = 128,
   ) -> None:
-    if not callable(fun):
-      raise TypeError(f'StatefulFunction needs a callable, got {type(fun).__name__}')
+    check_callable(fun, 'StatefulFunction')
     self.fun = fun
     self.statics = StaticArgs.resolve(fun, static_argnums, static_argnames, what='StatefulFunction')
     self.name = name or getattr(fun, '__name__', type(fun).__name__)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from brainnx._tracing import StatefulFunction
+from brainnx._engine.tracing import StatefulFunction
 
 __all__ = ['eval_shape']
 

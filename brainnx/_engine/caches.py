@@ -1,7 +1,7 @@
 """Bounded caches: an LRU for traces and plans, and a cache whose keys hold objects weakly.
 
 Example:
-  >>> from brainnx._caches import WeakCache
+  >>> from brainnx._engine.caches import WeakCache
   >>> class Fn:
   ...   pass
   >>> cache, fn = WeakCache(), Fn()

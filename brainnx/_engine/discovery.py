@@ -12,7 +12,7 @@ twice is one Variable; its path is the first one found.
 Example:
   >>> import jax.numpy as jnp
   >>> from flax import nnx
-  >>> from brainnx._discovery import discover
+  >>> from brainnx._engine.discovery import discover
   >>> counter = nnx.Variable(jnp.zeros(()))
   >>> def bump():
   ...   counter[...] += 1
@@ -72,8 +72,8 @@ def _library_dirs() -> tuple[str, ...]:
     spec = importlib.util.find_spec(name)
     if spec is not None and spec.submodule_search_locations:
       dirs.extend(os.path.join(p, '') for p in spec.submodule_search_locations)
-  here = os.path.dirname(os.path.abspath(__file__))
-  dirs.append(os.path.join(here, '_'))  # brainnx's own private modules
+  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  dirs.append(os.path.join(here, '_'))  # brainnx's own private modules (_compat, _engine/, _transforms/)
   dirs.append(os.path.join(here, '__init__'))
   return tuple(dirs)
 

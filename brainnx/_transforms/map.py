@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from brainnx._discovery import discover
-from brainnx._eager import run
-from brainnx._loops import _Body, _check_callable, _step_example, for_loop, leading_length, scan
-from brainnx._mapping import vmap
+from brainnx._engine.discovery import discover
+from brainnx._engine.eager import run
+from brainnx._transforms.loops import _Body, _check_callable, _step_example, for_loop, leading_length, scan
+from brainnx._transforms.vmap import vmap
 
 __all__ = ['map']
 

@@ -1,0 +1,1 @@
+"""The public transforms, one family a module, each a thin layer over ``brainnx._engine``."""
