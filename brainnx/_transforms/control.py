@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from brainnx._engine.discovery import discover
 from brainnx._engine.eager import run
 from brainnx._transforms.loops import _Body, _dyn_leaves, _strong
-from brainnx._engine.tracing import write_values
+from brainnx._engine.state import write_values
 
 __all__ = ['cond', 'switch', 'ifelse']
 

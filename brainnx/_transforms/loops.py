@@ -31,7 +31,8 @@ from brainnx._engine.discovery import Discovery, discover, is_graph_node
 from brainnx._engine.eager import run
 from brainnx._engine.filters import AxisRules
 from brainnx._transforms.progress import ProgressBar, check_pbar, runner_for
-from brainnx._engine.tracing import Trace, abstract_args, abstract_states, adopt_new, aval_key, trace_call, write_values
+from brainnx._engine.state import abstract_args, abstract_states, adopt_new, aval_key, read_values, write_values
+from brainnx._engine.tracing import Trace, trace_call
 from brainnx._engine.errors import check_callable
 
 __all__ = [
@@ -101,7 +102,7 @@ class _Body:
     self.keep_new = keep_new  # Variables the body creates (Module.sow) come out stacked per step
     self.call = CallArgs.split(args, {})
     self.disc = disc if disc is not None else discover(f, args, {})
-    self.values = [_compat.raw_value(v) for v in self.disc.variables]
+    self.values = read_values(self.disc.variables)
     self.sliced = tuple(sliced)  # Variables stacked on axis 0 that each step sees one slice of
     self._dyn_def = jax.tree.structure(list(self.call.dyn))
     self._traces: dict = {}
@@ -255,7 +256,7 @@ def _in_python() -> bool:
 def _all_or_nothing(f, args, loop: Callable):
   """Run a Python loop; if a step fails, every Variable it reaches gets its pre-call value."""
   disc = discover(f, args, {})
-  before, contents = [_compat.raw_value(v) for v in disc.variables], disc.snapshot()
+  before, contents = read_values(disc.variables), disc.snapshot()
   try:
     return loop()
   except BaseException:

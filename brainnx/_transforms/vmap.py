@@ -43,7 +43,8 @@ from brainnx._engine.filters import AxisRules
 from brainnx._engine.jitted import JitOptions
 from brainnx._engine.outputs import OutSpec
 from brainnx._engine.rng import advanced_count, split_per_element
-from brainnx._engine.tracing import adopt_new, state_step, write_values
+from brainnx._engine.call import Record, StatefulCall
+from brainnx._engine.state import adopt_new, read_values, write_values
 from brainnx._engine.errors import check_callable
 
 __all__ = ['vmap', 'vmap_new_states', 'MappedFunction', 'MapConfig', 'Mapper', 'Policy']
@@ -188,7 +189,7 @@ class _Layout:
 
 def _layout(cfg: MapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs: dict) -> _Layout:
   arg_axes = _positional_axes(cfg.in_axes, len(args))
-  values = [_compat.raw_value(v) for v in disc.variables]
+  values = read_values(disc.variables)
 
   def in_axis(path, var, root_index):
     hit, axis = cfg.state_in.axis_of(path, var)
@@ -438,13 +439,12 @@ class _Decisions:
 
 def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
   """One mapped call inside the current trace (see module docstring)."""
-  call = CallArgs.split(args, kwargs, cfg.statics)
-  disc = discover(cfg.fn, args, kwargs)
-  layout = _layout(cfg, disc, call, args, kwargs)
-  dyn_in = call.dyn
+  stateful = StatefulCall.enter(cfg.fn, args, kwargs, name=cfg.name, statics=cfg.statics, creates='keep')
+  disc, values = stateful.disc, stateful.values
+  layout = _layout(cfg, disc, stateful.call, args, kwargs)
+  dyn_in = stateful.call.dyn
   # jax caches pmapped functions by identity, keeping ``body`` alive: it must not hold tracers
-  call = dataclasses.replace(call, dyn=())
-  values = [_compat.raw_value(v) for v in disc.variables]
+  stateful.call = dataclasses.replace(stateful.call, dyn=())
   state_in = list(values)
   for k, c in layout.split_streams:
     state_in[k] = split_per_element(values[k], values[c], layout.size)
@@ -462,25 +462,21 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
     state_in = [x if i in split else _one_of_zeros([x], [a])[0] for i, (x, a) in enumerate(zip(state_in, layout.state_axes))]
     dyn_in = tuple(_one_of_zeros(list(dyn_in), list(layout.dyn_axes)))
     layout = dataclasses.replace(layout, size=1)
-  found: list[_Decisions] = []  # set by the first trace of ``body``; pmap traces twice
-  contents = disc.snapshot()
+  decisions = Record(cfg.name)  # set by the first trace of ``body``; pmap traces twice
 
   def body(states, dyn):
     trace = _compat.current_trace()
-    step = state_step(cfg.fn, disc, call, states, dyn)
+    step = stateful.step(states, dyn)
     out_spec, out_leaves = step.split_out(disc)
     written = [i for i in step.written if i not in stream_vars]
-    if found:  # pmap: decisions come from the abstract vmap pass
-      if found[0].written != written:
-        raise RuntimeError(f'{cfg.name}: the function wrote different Variables on its second trace')
-    else:
+    if not decisions.is_set:  # pmap: decisions come from the abstract vmap pass
       batched = lambda x: any(_compat.is_batched_here(leaf, trace) for leaf in jax.tree.leaves(x))  # noqa: E731
       out_axes = _out_leaf_axes(cfg, out_spec)
       for leaf, axis in zip(out_leaves, out_axes):
         if axis is None and batched(leaf):
           raise ValueError(f'{cfg.name}: an output has out_axes=None but depends on the batch')
       _warn_identical_members(cfg, out_spec, out_leaves, out_axes, batched)
-      found.append(_Decisions(
+      decisions.set(_Decisions(
         new_vars=step.new_vars,
         new_nodes=step.new_nodes,
         out_spec=out_spec,
@@ -491,27 +487,26 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
       ))
     return [step.values[i] for i in written], step.new_values, out_leaves
 
-  try:
+  with stateful.rolling_back():
     if cfg.mapper is Mapper.PMAP:
       jax.eval_shape(_vmap_of(cfg, layout, body), state_in, dyn_in)
-      disc.restore(contents)
+      disc.restore(stateful.contents)
       run_mapped = _pmap_of(cfg, layout, body)
     else:
       run_mapped = _vmap_of(cfg, layout, body)
     written_vals, new_vals, out_leaves = run_mapped(state_in, dyn_in)
-  except BaseException:
-    disc.restore(contents)
-    raise
-  decided = found[0]
-  write_values(disc, decided.written, [_place(v, a, empty) for v, a in zip(written_vals, decided.placement)])
-  write_values(disc, [c for _, c in layout.split_streams], [advanced_count(values[c]) for _, c in layout.split_streams])
+    decided = decisions.get()
+    written_now = [_place(v, a, empty) for v, a in zip(written_vals, decided.placement)]
+    new_now = [_place(v, a, empty) for v, a in zip(new_vals, decided.new_placement)]
+    leaves = [_place(x, ONCE if a is None else a, empty) for x, a in zip(out_leaves, decided.out_axes)]
+    streams = [c for _, c in layout.split_streams]
+    write_values(disc, decided.written + streams, written_now + [advanced_count(values[c]) for c in streams])
   new_vars = decided.new_vars
-  adopt_new(new_vars, decided.new_nodes, [_place(v, a, empty) for v, a in zip(new_vals, decided.new_placement)])
+  adopt_new(new_vars, decided.new_nodes, new_now)
   if cfg.new_states and cfg.state_tag is not None:
     for v, axis in zip(new_vars, decided.new_placement):
       if axis is not ONCE:
         v.set_metadata(tag=cfg.state_tag)
-  leaves = [_place(x, ONCE if a is None else a, empty) for x, a in zip(out_leaves, decided.out_axes)]
   return decided.out_spec.rebuild(leaves, disc)
 
 
