@@ -50,10 +50,10 @@ from brainnx._engine.arguments import CallArgs, StaticArgs
 from brainnx._engine.discovery import Discovery, discover
 from brainnx._engine.outputs import OutSpec
 from brainnx._engine.state import (
-  StepResult, abstract_states, adopt_new, read_values, set_values, state_step, write_values,
+  StepResult, abstract, abstract_states, adopt_new, read_values, set_values, state_step, write_values,
 )
 
-__all__ = ['Record', 'StatefulCall', 'StepInfo', 'check_values']
+__all__ = ['Record', 'StatefulCall', 'StepInfo', 'check_values', 'settled_creations']
 
 _UNSET = object()
 
@@ -121,6 +121,33 @@ def check_values(disc: Discovery, values: Sequence) -> None:
         'transform that brainnx did not manage). Reset it, e.g. `var[...] = jnp.zeros(shape)`, '
         'and write Variables inside brainnx transforms only.'
       )
+
+
+@contextlib.contextmanager
+def settled_creations(adopted: Callable[[], Sequence] = tuple):
+  """Variables created in the block that nothing adopts (``adopted()`` are the ones the call
+  attaches and gives values) leave it without tracers and usable at this level: a failed
+  call's creations, or ones kept where brainnx cannot see them, hold their abstract value
+  (``ShapeDtypeStruct``) and accept ``set_value`` afterwards."""
+  with _compat.created_variables() as log:
+    try:
+      yield
+    finally:
+      if log:
+        try:
+          keep = {id(v) for v in adopted()}
+        except RuntimeError:  # nothing was recorded: the call failed before its trace finished
+          keep = set()
+        level = None
+        for v in log:
+          if id(v) in keep:
+            continue
+          value = _compat.raw_value(v)
+          if any(isinstance(x, _compat.Tracer) for x in jax.tree.leaves(value)):
+            _compat.set_raw_value(v, jax.tree.map(abstract, value))
+          if not _compat.can_update(v):
+            level = level or _compat.new_trace_state()
+            _compat.set_node_trace_state(v, level)
 
 
 class StatefulCall:
@@ -191,8 +218,10 @@ class StatefulCall:
     """On error inside the block: every container change and Variable value this call made is undone."""
     variables = self.disc.variables
     before = self.values if self.values is not None else read_values(variables)
+    adopted = lambda: self.info.get().new_vars  # noqa: E731
     try:
-      yield self
+      with settled_creations(adopted):
+        yield self
     except BaseException:
       self.disc.restore(self.contents)
       if any(a is not b for a, b in zip(read_values(variables), before)):

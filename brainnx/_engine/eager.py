@@ -49,7 +49,6 @@ def run(
   discover_from: Any = None,
   options: JitOptions = JitOptions(),
   statics: StaticArgs = StaticArgs(),
-  first_call_op_by_op: bool = False,
 ):
   """``body(*owners, *args, *config, **kwargs)``, compiled when called eagerly.
 
@@ -58,28 +57,23 @@ def run(
   (unhashable parts, such as Variable instances given as filters, by
   identity). ``statics`` are the user's static arguments, kept static by the
   compiled program as by the traced one. Discovery starts from ``discover_from`` (default: the owners).
-  With ``first_call_op_by_op`` the first eager call runs op by op (no
-  compile: a one-off call of a fresh function costs what ``jax.vmap`` costs)
-  and the program is compiled when the same owners are called again.
+  The first eager call compiles, so that the user's function runs once per
+  abstract signature, as under ``jax.jit``.
   """
   kwargs = kwargs or {}
   if not eager():
     return body(*owners, *args, *config, **kwargs)
   live = [x for o in owners if o is not None for x in _key_objects(o)]
+  if statics == StaticArgs():
+    statics = options.statics
   key = (body, tuple(o is None for o in owners), hashable(config), statics)
   jitted = _PROGRAMS.get(live, key)
-  if jitted is None and first_call_op_by_op:
-    _PROGRAMS.set(live, key, _SEEN)
-    return body(*owners, *args, *config, **kwargs)
-  if jitted is None or jitted is _SEEN:
+  if jitted is None:
     if statics != options.statics:
       options = dataclasses.replace(options, statics=statics)
     jitted = _compile(body, owners, config, discover_from, options)
     _PROGRAMS.set(live, key, jitted)
   return jitted(*args, **kwargs)
-
-
-_SEEN = object()  # called once op by op: compile on the next call
 
 
 class _ByIdentity:

@@ -41,7 +41,7 @@ from brainnx._engine.caches import LRUCache
 from brainnx._engine.discovery import Discovery, discover, holds_graph_node
 from brainnx._engine.filters import to_filter
 from brainnx._engine.sharding import Rules, arg_specs, constrain, layout_of, place
-from brainnx._engine.call import check_values
+from brainnx._engine.call import check_values, settled_creations
 from brainnx._engine.state import adopt_new, read_values, set_values, write_values
 from brainnx._engine.tracing import StatefulFunction, Trace
 
@@ -266,12 +266,16 @@ class JittedFunction:
 
   def _cold_call(self, args, kwargs):
     plan, dyn, disc = self._plan_for(args, kwargs)
-    contents = disc.snapshot()
+    contents, signature = disc.snapshot(), disc.signature
     try:
-      result = plan.compiled(plan.carrier, *plan.state(), *dyn)
+      with settled_creations():  # a cold call traces; its new Variables are adopted by _complete
+        result = plan.compiled(plan.carrier, *plan.state(), *dyn)
     except BaseException:
       disc.restore(contents)  # a failed compile or run keeps no attribute the trace added
       raise
+    if disc.signature != signature:  # the trace rebound a captured counter (see Discovery.refresh_captured)
+      with self._lock:
+        self._compiled.set((disc.signature,) + plan.compiled_key[1:], plan.compiled)
     return _complete(plan, result)
 
   def _plan_for(self, args, kwargs) -> tuple[_Plan, tuple, Discovery]:
@@ -290,6 +294,7 @@ class JittedFunction:
     donated = self._donated_states(disc, call)
     compiled = self._compiled_for(disc, call, donated, layout)
     plan = _Plan(disc, call, compiled, _evictor(self, key), donated, layout)
+    plan.compiled_key = (disc.signature, call.signature, donated, layout)
     self._plans.set(key, plan)
     self._warm = plan.warm
     return plan, call.dyn, disc

@@ -37,7 +37,7 @@ import numpy as np
 from brainnx import _compat
 from brainnx._engine.arguments import CallArgs, StaticArgs
 from brainnx._engine.caches import LRUCache
-from brainnx._engine.call import StatefulCall, StepInfo, check_values
+from brainnx._engine.call import StatefulCall, StepInfo, check_values, settled_creations
 from brainnx._engine.errors import check_callable
 from brainnx._engine.discovery import Discovery, discover
 from brainnx._engine.outputs import OutSpec
@@ -79,8 +79,12 @@ class Trace:
   new_nodes: tuple
   new_defs: tuple
   out_spec: OutSpec
-  out_shapes: Any
+  out_leaf_shapes: tuple  # ShapeDtypeStruct per output leaf
   cacheable: bool
+
+  def out_shapes(self, disc: Discovery) -> Any:
+    """The output with ``ShapeDtypeStruct`` leaves (Modules created inside rebuilt anew each time)."""
+    return self.out_spec.rebuild(list(self.out_leaf_shapes), disc)
 
   def run(self, state_values: Sequence, dyn_leaves: Sequence):
     """Evaluate the jaxpr: ``(written or all state values, new var values, out leaves)``."""
@@ -138,7 +142,8 @@ def trace_call(
   stateful = StatefulCall(fun, disc, call, name=name or getattr(fun, '__name__', 'trace'),
                           creates='keep' if keep_new else 'detach')
   pure = functools.wraps(fun)(lambda states_in, dyn_in: stateful.pure(states_in, dyn_in))
-  closed, shapes = jax.make_jaxpr(pure, return_shape=True)(list(state_avals), list(dyn_avals))
+  with settled_creations(lambda: stateful.info.get().new_vars if keep_new else ()):
+    closed, shapes = jax.make_jaxpr(pure, return_shape=True)(list(state_avals), list(dyn_avals))
   return _finish_trace(closed, shapes, stateful.info.get(), disc, state_avals, only_write)
 
 
@@ -220,7 +225,7 @@ def _finish_trace(closed, shapes, step: StepInfo, disc, state_avals, only_write)
     new_nodes=step.new_nodes,
     new_defs=step.new_defs,
     out_spec=step.out_spec,
-    out_shapes=step.out_spec.rebuild(list(shapes[2]), disc),
+    out_leaf_shapes=tuple(shapes[2]),
     cacheable=cacheable,
   )
 
@@ -316,11 +321,14 @@ class StatefulFunction:
     )
     if trace.cacheable:
       self._cache.set(key, trace)
+      if disc.refresh_captured():  # the trace rebound a captured counter: the next call is the same
+        self._cache.set(TraceKey(disc.signature, *key[1:]), trace)
     return trace
 
   def _trace(self, args, kwargs, keep_new=False):
     call, disc = self._prepare(args, kwargs)
     values = read_values(disc.variables)
+    check_values(disc, values)
     return call, disc, self.trace_for(disc, call, values, call.dyn, keep_new=keep_new)
 
   def make_jaxpr(self, *args, **kwargs) -> 'StatefulFunction':
@@ -498,7 +506,8 @@ class StatefulFunction:
       >>> bnx.StatefulFunction(lambda x: {'sum': x.sum()}).get_out_shapes(jnp.ones((2, 3)))
       {'sum': ShapeDtypeStruct(shape=(), dtype=float32)}
     """
-    return self._trace(args, kwargs)[2].out_shapes
+    _, disc, trace = self._trace(args, kwargs)
+    return trace.out_shapes(disc)
 
   def jaxpr_call(self, state_vals: Sequence, *args, **kwargs) -> tuple[list, Any]:
     """Evaluate the cached jaxpr purely: ``(new_state_vals, out)``.
@@ -688,7 +697,7 @@ def make_jaxpr(
     _, disc, trace = sf._trace(args, kwargs)
     states = tuple(disc.variables[i] for i in trace.states)
     if return_shape:
-      return trace.closed, states, trace.out_shapes
+      return trace.closed, states, trace.out_shapes(disc)
     return trace.closed, states
 
   return make_jaxpr_f

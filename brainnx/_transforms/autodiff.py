@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from brainnx._engine.eager import run
 from brainnx._transforms.grad import GradFunction, _pure_call
 from brainnx._engine.errors import check_callable
 
@@ -149,7 +150,10 @@ def jvp(fun: Callable, primals: Sequence, tangents: Sequence, has_aux: bool = Fa
     6.0
   """
   check_callable(fun, 'jvp')
-  primals = tuple(primals)
+  return run(_jvp_impl, (fun,), (has_aux,), (tuple(primals), tuple(tangents)))
+
+
+def _jvp_impl(fun, primals, tangents, has_aux):
   nums = tuple(range(len(primals)))
   pure, target_vals, arg_vals, stateful, _ = _pure_call(fun, None, nums, has_aux, primals, {}, 'jvp')
   with stateful.rolling_back():

@@ -221,6 +221,10 @@ class GradFunction:
   def __call__(self, *args, **kwargs):
     return run(GradFunction._impl, (self,), (), args, kwargs, discover_from=(self.fun, self.grad_states))
 
+  def __get__(self, obj, objtype=None):
+    """Decorating a method: ``self`` is bound as the first argument (``argnums`` count it)."""
+    return self if obj is None else functools.partial(self, obj)
+
 
 def grad(
   fun: Callable,

@@ -41,7 +41,7 @@ from brainnx._engine.eager import run
 from brainnx._engine.errors import BatchAxisError
 from brainnx._engine.filters import AxisRules
 from brainnx._engine.jitted import JitOptions
-from brainnx._engine.outputs import OutSpec
+from brainnx._engine.outputs import Leaf, New, OutSpec
 from brainnx._engine.rng import advanced_count, split_per_element
 from brainnx._engine.call import Record, StatefulCall
 from brainnx._engine.state import adopt_new, read_values, write_values
@@ -123,8 +123,11 @@ class MappedFunction:
     return mapped_call(self.config, args, kwargs)
 
   def __call__(self, *args, **kwargs):
-    one_off = self.config.mapper is Mapper.VMAP
-    return run(MappedFunction._traced, (self,), (), args, kwargs, options=self._options, first_call_op_by_op=one_off)
+    return run(MappedFunction._traced, (self,), (), args, kwargs, options=self._options)
+
+  def __get__(self, obj, objtype=None):
+    """Decorating a method: ``self`` is bound as the first argument, as for a function."""
+    return self if obj is None else functools.partial(self, obj)
 
   def __repr__(self) -> str:
     return f'brainnx.{self.config.name}({getattr(self.config.fn, "__name__", self.config.fn)!r})'
@@ -388,10 +391,10 @@ def _out_leaf_axes(cfg: MapConfig, spec) -> list:
   axes = []
   for (path, _), slot in zip(flat, spec.slots):
     axis = _axis_at(cfg.out_axes, tuple(key_name(k) for k in path), 'out_axes')
-    if slot[0] == 'leaf':
+    if type(slot) is Leaf:
       axes.append(axis)
-    elif slot[0] == 'new':
-      for var_path, var in slot[4]:
+    elif type(slot) is New:
+      for var_path, var in slot.leaf_vars:
         hit, declared = cfg.state_out.axis_of(var_path, var)
         axes.append(declared if hit else axis)
   return axes
@@ -402,11 +405,11 @@ def _warn_identical_members(cfg: MapConfig, spec, leaves: list, axes: list, batc
   stack would be the same (an ``nnx.Rngs`` made inside the mapped function)."""
   it = iter(zip(leaves, axes))
   for slot in spec.slots:
-    if slot[0] == 'leaf':
+    if type(slot) is Leaf:
       next(it)
-    elif slot[0] == 'new':
+    elif type(slot) is New:
       params = []
-      for (path, var), (leaf, axis) in zip(slot[4], [next(it) for _ in slot[4]]):
+      for (path, var), (leaf, axis) in zip(slot.leaf_vars, [next(it) for _ in slot.leaf_vars]):
         if isinstance(var, nnx.Param) and axis is not None:
           params.append((path, var, batched(leaf), jnp.ndim(leaf) >= 2))
       # a kernel (2-D or more, randomly initialised in flax) the same for every member is the
@@ -414,7 +417,7 @@ def _warn_identical_members(cfg: MapConfig, spec, leaves: list, axes: list, batc
       if params and not any(p[2] for p in params) and any(p[3] for p in params):
         path, var, _, _ = next(p for p in params if p[3])
         warnings.warn(
-          f'{cfg.name}: no Param of the {slot[1].type.__name__ if hasattr(slot[1], "type") else "Module"} '
+          f'{cfg.name}: no Param of the {slot.graphdef.type.__name__ if hasattr(slot.graphdef, "type") else "Module"} '
           f'created inside depends on the batch, so all members are identical (first: '
           f'{type(var).__name__} at {tuple(path)!r}). Its nnx.Rngs was probably created inside the '
           'mapped function: create it outside (rngs = nnx.Rngs(0); vmap(lambda: Model(rngs=rngs), '
