@@ -187,17 +187,28 @@ _log_variable_creation()
 
 
 @contextlib.contextmanager
-def created_variables():
-  """The block's log of Variables created in this thread (nested blocks share theirs outward)."""
-  outer = getattr(_CREATION, 'log', None)
-  log: list = []
-  _CREATION.log = log
+def created_variables(log: bool = True):
+  """The block's log of Variables created in this thread (an inner block keeps its own).
+
+  The outermost block also records the trace level it began at (:func:`outer_level`):
+  where a created Variable nothing adopts is put back. ``log=False`` only marks that level.
+  """
+  outer_log, outer_level = getattr(_CREATION, 'log', None), getattr(_CREATION, 'level', None)
+  if outer_level is None:
+    _CREATION.level = _nnx_tracers.TraceState()
+  entries: list | None = [] if log else outer_log
+  _CREATION.log = entries
   try:
-    yield log
+    yield entries
   finally:
-    _CREATION.log = outer
-    if outer is not None:
-      outer.extend(log)
+    _CREATION.log = outer_log
+    if outer_level is None:
+      _CREATION.level = None
+
+
+def outer_level():
+  """The trace state recorded by the outermost :func:`created_variables` block of this thread."""
+  return getattr(_CREATION, 'level', None) or _nnx_tracers.TraceState()
 
 
 class DataAttribute:

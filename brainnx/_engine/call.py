@@ -53,7 +53,7 @@ from brainnx._engine.state import (
   StepResult, abstract, abstract_states, adopt_new, read_values, set_values, state_step, write_values,
 )
 
-__all__ = ['Record', 'StatefulCall', 'StepInfo', 'check_values', 'settled_creations']
+__all__ = ['Record', 'StatefulCall', 'StepInfo', 'check_values', 'settle_creations']
 
 _UNSET = object()
 
@@ -123,31 +123,21 @@ def check_values(disc: Discovery, values: Sequence) -> None:
       )
 
 
-@contextlib.contextmanager
-def settled_creations(adopted: Callable[[], Sequence] = tuple):
-  """Variables created in the block that nothing adopts (``adopted()`` are the ones the call
-  attaches and gives values) leave it without tracers and usable at this level: a failed
-  call's creations, or ones kept where brainnx cannot see them, hold their abstract value
-  (``ShapeDtypeStruct``) and accept ``set_value`` afterwards."""
-  with _compat.created_variables() as log:
-    try:
-      yield
-    finally:
-      if log:
-        try:
-          keep = {id(v) for v in adopted()}
-        except RuntimeError:  # nothing was recorded: the call failed before its trace finished
-          keep = set()
-        level = None
-        for v in log:
-          if id(v) in keep:
-            continue
-          value = _compat.raw_value(v)
-          if any(isinstance(x, _compat.Tracer) for x in jax.tree.leaves(value)):
-            _compat.set_raw_value(v, jax.tree.map(abstract, value))
-          if not _compat.can_update(v):
-            level = level or _compat.new_trace_state()
-            _compat.set_node_trace_state(v, level)
+def settle_creations(log: Sequence, keep: Sequence = ()) -> None:
+  """Variables created during a step that nothing adopts (``keep`` are the ones the call
+  attaches and gives values) leave it without tracers, usable where the outermost brainnx call
+  began: a failed call's creations, or ones kept where brainnx cannot see them, hold their
+  abstract value (``ShapeDtypeStruct``) and accept ``set_value`` afterwards. This runs inside
+  the step's trace, before it ends, so that no tracer outlives it."""
+  keep_ids = {id(v) for v in keep}
+  level = _compat.outer_level()
+  for v in log:
+    if id(v) in keep_ids:
+      continue
+    value = _compat.raw_value(v)
+    if any(isinstance(x, _compat.Tracer) for x in jax.tree.leaves(value)):
+      _compat.set_raw_value(v, jax.tree.map(abstract, value))
+    _compat.set_node_trace_state(v, level)
 
 
 class StatefulCall:
@@ -180,13 +170,18 @@ class StatefulCall:
 
   def step(self, state_values: Sequence, dyn: Sequence, call: CallArgs | None = None) -> StepResult:
     """The engine's state step on these values; what it learns goes to :attr:`info`."""
-    step = state_step(self.fun, self.disc, call or self.call, state_values, dyn, keep_new=self.creates == 'keep')
-    if step.new_vars and self.creates == 'refuse':
-      raise ValueError(
-        f'{self.name}: the function creates Variables ({_created(step)}); create them before the '
-        f'{self.name} call and only update them inside'
-      )
-    self.info.set(StepInfo.of(step, step.split_out(self.disc)[0]), _same_writes)
+    with _compat.created_variables() as log:
+      step = None
+      try:
+        step = state_step(self.fun, self.disc, call or self.call, state_values, dyn, keep_new=self.creates == 'keep')
+        if step.new_vars and self.creates == 'refuse':
+          raise ValueError(
+            f'{self.name}: the function creates Variables ({_created(step)}); create them before the '
+            f'{self.name} call and only update them inside'
+          )
+        self.info.set(StepInfo.of(step, step.split_out(self.disc)[0]), _same_writes)
+      finally:
+        settle_creations(log, step.new_vars if step is not None and self.creates == 'keep' else ())
     return step
 
   def pure(self, state_values: Sequence, dyn: Sequence) -> tuple[list, list, list]:
@@ -218,9 +213,8 @@ class StatefulCall:
     """On error inside the block: every container change and Variable value this call made is undone."""
     variables = self.disc.variables
     before = self.values if self.values is not None else read_values(variables)
-    adopted = lambda: self.info.get().new_vars  # noqa: E731
     try:
-      with settled_creations(adopted):
+      with _compat.created_variables(log=False):  # this call's level: where orphans of its trace go
         yield self
     except BaseException:
       self.disc.restore(self.contents)
@@ -229,8 +223,9 @@ class StatefulCall:
       raise
     finally:
       # JAX may keep the traced function (and so this object) alive in its caches
-      # (``jax.pmap``'s): the values, perhaps an enclosing trace's tracers, must not stay.
+      # (``jax.pmap``'s): the values and arguments, perhaps an enclosing trace's tracers, must not stay.
       self.values = None
+      self.call = dataclasses.replace(self.call, dyn=())
 
 
 def _created(step: StepResult) -> str:

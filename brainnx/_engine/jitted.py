@@ -31,7 +31,7 @@ import dataclasses
 import functools
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 
@@ -41,8 +41,8 @@ from brainnx._engine.caches import LRUCache
 from brainnx._engine.discovery import Discovery, discover, holds_graph_node
 from brainnx._engine.filters import to_filter
 from brainnx._engine.sharding import Rules, arg_specs, constrain, layout_of, place
-from brainnx._engine.call import check_values, settled_creations
-from brainnx._engine.state import adopt_new, read_values, set_values, write_values
+from brainnx._engine.call import check_values
+from brainnx._engine.state import STATE_CHANGES, adopt_new, read_values, set_values, write_values
 from brainnx._engine.stateful_function import StatefulFunction
 from brainnx._engine.tracing import Trace
 
@@ -95,18 +95,17 @@ jax.tree_util.register_pytree_node(
 )
 
 
-class _PlanRef(int):
-  """The ``jax.jit`` static argument that carries the current plan into a trace.
+class _Written(NamedTuple):
+  """Compiled output of a call that writes Variables (a namedtuple: flattened in C++)."""
 
-  Every plan of one compiled program has the same discovery and call
-  signature (the program is chosen by them), so all carriers are equal (an
-  int: hashed and compared in C); the plan itself is held weakly.
-  """
+  written: dict  # discovery index -> new value
+  out: Any
 
-  def __new__(cls, plan):
-    self = super().__new__(cls, 0)
-    self.plan = weakref.ref(plan)
-    return self
+
+#: The plan of the call now entering ``jax.jit`` in this thread (a weak reference): ``_body``
+#: reads it when JAX traces. Every plan of one compiled program has the same discovery and
+#: call signature (the program is chosen by them), so any of them traces it the same way.
+_CURRENT = threading.local()
 
 
 class _Plan:
@@ -120,7 +119,7 @@ class _Plan:
     self.kept = tuple(i for i in range(len(disc.variables)) if i not in set(donated))
     self.call = dataclasses.replace(call, refs=())  # held weakly below
     self.ref_refs = tuple(weak_or_strong(x, on_drop) for x in call.refs)
-    self.carrier = _PlanRef(self)
+    self.me = weakref.ref(self)
     self.variables = disc.variables
     self.warm = _warm_call(self)
 
@@ -192,8 +191,8 @@ def _warm_call(plan: _Plan):
   positional arguments only; references then dynamic arguments), because
   every attribute lookup here is paid on every call.
   """
-  guard, compiled, variables, carrier = plan.disc.guard.ok, plan.compiled, plan.variables, plan.carrier
-  fast_dyn, read = _FAST_DYN, read_values
+  guard, compiled, variables, me, current = plan.disc.guard.ok, plan.compiled, plan.variables, plan.me, _CURRENT
+  fast_dyn, read, raw, changes, write, finish = _FAST_DYN, read_values, _compat.raw_value, STATE_CHANGES, _write, _finish
   call = plan.call
   n = call.n_args
 
@@ -214,7 +213,20 @@ def _warm_call(plan: _Plan):
           return _MISS
       if not guard():
         return _MISS
-      return _complete(plan, compiled(carrier, read(variables), *args))
+      # read_values and _complete, inlined: this is the whole cost of a warm call beyond JAX's
+      begun = changes[1]
+      values = list(map(raw, variables))
+      if changes[0] or changes[1] != begun:  # another thread's trace or write-back: read under the lock
+        values = read(variables)
+      current.plan = me
+      result = compiled(values, *args)
+      kind = type(result)
+      if kind is _Written:
+        write(plan, result.written)
+        return result.out
+      if kind is _Packed:
+        return finish(plan, result)
+      return result
 
     return warm
 
@@ -222,7 +234,8 @@ def _warm_call(plan: _Plan):
     dyn = plan.match(args, kwargs)
     if dyn is None:
       return _MISS
-    return _complete(plan, compiled(carrier, *plan.state(), *dyn))
+    current.plan = me
+    return _complete(plan, compiled(*plan.state(), *dyn))
 
   return warm_general
 
@@ -269,8 +282,9 @@ class JittedFunction:
     plan, dyn, disc = self._plan_for(args, kwargs)
     contents, signature = disc.snapshot(), disc.signature
     try:
-      with settled_creations():  # a cold call traces; its new Variables are adopted by _complete
-        result = plan.compiled(plan.carrier, *plan.state(), *dyn)
+      with _compat.created_variables(log=False):  # orphans of the trace go back to this level
+        _CURRENT.plan = plan.me
+        result = plan.compiled(*plan.state(), *dyn)
     except BaseException:
       disc.restore(contents)  # a failed compile or run keeps no attribute the trace added
       raise
@@ -324,8 +338,7 @@ class JittedFunction:
     shardings = self._shardings(disc, call, donated, layout) if self._options.sharded else {}
     compiled = jax.jit(
       functools.partial(_body, self.stateful_fun, n_state),
-      static_argnums=0,
-      donate_argnums=(1,) * bool(donated) + _donated_positions(call, self._donate_argnums, n_state),
+      donate_argnums=(0,) * bool(donated) + _donated_positions(call, self._donate_argnums, n_state),
       **shardings,
       **dict(self._options.jax_kwargs),
     )
@@ -346,14 +359,16 @@ class JittedFunction:
     out = {'in_shardings': state + arg_specs(call, user_in, 'in_shardings')}
     if opts.out_shardings is not NOT_GIVEN:
       values = read_values(disc.variables)
-      if _packs(self.stateful_fun.trace_for(disc, call, values, call.dyn)):
+      trace = self.stateful_fun.trace_for(disc, call, values, call.dyn)
+      if _packs(trace):
         raise ValueError(
           'jit: out_shardings lays out array outputs, but this function returns graph nodes, '
           'Variables created inside, or non-array values (or has side effects such as '
           'jax.debug.print): lay Variables out with state_shardings or flax sharding '
           'metadata, and return arrays'
         )
-      out['out_shardings'] = (None, opts.out_shardings)  # None: the written Variables, laid out in _body
+      # None: the written Variables, laid out in _body
+      out['out_shardings'] = _Written(None, opts.out_shardings) if trace.written else opts.out_shardings
     return out
 
   def _drop_plan(self, key) -> None:
@@ -374,7 +389,8 @@ class JittedFunction:
     """The lowered program for these arguments; ``.compile()`` gives a callable that takes
     the same arguments as the function and writes Variables back."""
     plan, dyn, _ = self._plan_for(args, kwargs)
-    return Lowered(self, plan.compiled.lower(plan.carrier, *plan.state(), *dyn))
+    _CURRENT.plan = plan.me
+    return Lowered(self, plan.compiled.lower(*plan.state(), *dyn))
 
   def clear_cache(self) -> None:
     """Forget plans, compiled programs and traces (the next call retraces)."""
@@ -434,20 +450,20 @@ class Compiled:
 
 
 def _donated_positions(call: CallArgs, donate_argnums, n_state: int = 1) -> tuple[int, ...]:
-  """Positions in ``(carrier, *state, *dyn)`` of the donated dynamic arguments."""
+  """Positions in ``(*state, *dyn)`` of the donated dynamic arguments."""
   positions, k = [], 0
   for slot, kind in enumerate(call.kinds):
     if kind is ArgKind.DYN:
       if slot in donate_argnums:
-        positions.append(1 + n_state + k)
+        positions.append(n_state + k)
       k += 1
     elif kind is ArgKind.MIXED:
       k += sum(1 for s, _, mask in call.mixed if s == slot for m in mask if not m)
   return tuple(positions)
 
 
-def _body(sf: StatefulFunction, n_state: int, carrier: _PlanRef, *args):
-  plan: _Plan = carrier.plan()
+def _body(sf: StatefulFunction, n_state: int, *args):
+  plan: _Plan = _CURRENT.plan()
   state, dyn = plan.full_state(args[:n_state]), args[n_state:]
   trace: Trace = sf.trace_for(plan.disc, plan.live_call(), state, dyn)
   written, new, out_leaves = trace.run([state[i] for i in trace.states], jax.tree.leaves(dyn))
@@ -458,7 +474,8 @@ def _body(sf: StatefulFunction, n_state: int, carrier: _PlanRef, *args):
   written = dict(zip(trace.written, written))
   if _packs(trace):
     return _Packed(written, new, out_leaves, trace)
-  return written, trace.out_spec.rebuild(out_leaves, plan.disc)
+  out = trace.out_spec.rebuild(out_leaves, plan.disc)
+  return _Written(written, out) if written else out  # a call that writes nothing returns its output as is
 
 
 def _packs(trace: Trace) -> bool:
@@ -468,12 +485,13 @@ def _packs(trace: Trace) -> bool:
 
 def _complete(plan: _Plan, result):
   """Write a compiled call's results back; return its output."""
-  if type(result) is tuple:
-    written, out = result
-    if written:
-      _write(plan, written)
-    return out
-  return _finish(plan, result)
+  kind = type(result)
+  if kind is _Written:
+    _write(plan, result.written)
+    return result.out
+  if kind is _Packed:
+    return _finish(plan, result)
+  return result
 
 
 def _write(plan: _Plan, written: dict) -> None:

@@ -139,8 +139,12 @@ class StepResult:
     return [self.values[i] for i in self.written]
 
   def split_out(self, disc: Discovery) -> tuple[OutSpec, list]:
-    """The return value as a rebuild spec and its array leaves."""
-    return split_output(self.out, disc, self.new_nodes)
+    """The return value as a rebuild spec and its array leaves (computed once)."""
+    split = self.__dict__.get('_split')
+    if split is None:
+      split = split_output(self.out, disc, self.new_nodes)
+      object.__setattr__(self, '_split', split)
+    return split
 
   def shape(self) -> 'StepShape':
     """The part of the result without tracers, safe to keep once the trace ends."""

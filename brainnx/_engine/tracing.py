@@ -31,7 +31,7 @@ import numpy as np
 
 from brainnx import _compat
 from brainnx._engine.arguments import CallArgs
-from brainnx._engine.call import StatefulCall, StepInfo, settled_creations
+from brainnx._engine.call import StatefulCall, StepInfo
 from brainnx._engine.discovery import Discovery
 from brainnx._engine.outputs import OutSpec
 from brainnx._engine.state import _abstract_tree
@@ -135,7 +135,7 @@ def trace_call(
   stateful = StatefulCall(fun, disc, call, name=name or getattr(fun, '__name__', 'trace'),
                           creates='keep' if keep_new else 'detach')
   pure = functools.wraps(fun)(lambda states_in, dyn_in: stateful.pure(states_in, dyn_in))
-  with settled_creations(lambda: stateful.info.get().new_vars if keep_new else ()):
+  with _compat.created_variables(log=False):  # this level: where Variables the trace orphans go
     closed, shapes = jax.make_jaxpr(pure, return_shape=True)(list(state_avals), list(dyn_avals))
   return _finish_trace(closed, shapes, stateful.info.get(), disc, state_avals, only_write)
 
