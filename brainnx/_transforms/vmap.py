@@ -36,15 +36,16 @@ from flax import nnx
 
 from brainnx import _compat
 from brainnx._engine.arguments import ArgKind, CallArgs, StaticArgs
-from brainnx._engine.discovery import LIBRARY_DIRS, Discovery, RootKind, discover, is_graph_node, key_name
+from brainnx._engine.discovery import LIBRARY_DIRS, Discovery, RootKind, discover, is_graph_node, is_reference, key_name
 from brainnx._engine.eager import run
 from brainnx._engine.errors import BatchAxisError
-from brainnx._engine.filters import AxisRules
+from brainnx._engine.filters import AxisRules, mark_stacked, types_code
 from brainnx._engine.jitted import JitOptions
 from brainnx._engine.outputs import OutSpec
 from brainnx._engine.rng import advanced_count, split_per_element
 from brainnx._engine.tracing import adopt_new, state_step, write_values
 from brainnx._engine.errors import check_callable
+from brainnx._transforms import vmap_checks
 
 __all__ = ['vmap', 'vmap_new_states', 'MappedFunction', 'MapConfig', 'Mapper', 'Policy']
 
@@ -152,12 +153,16 @@ def _axis_at(spec, keys: tuple, where: str):
   for key in keys:
     if spec is None or isinstance(spec, int):
       return spec
+    if isinstance(spec, nnx.StateAxes):
+      break
     if isinstance(spec, (list, tuple)) and isinstance(key, int) and key < len(spec):
       spec = spec[key]
     elif isinstance(spec, dict) and key in spec:
       spec = spec[key]
     else:
       raise ValueError(f'vmap in_axes for {where} has no entry for {key!r}')
+  if isinstance(spec, nnx.StateAxes):
+    raise vmap_checks.state_axes_at(spec, 'vmap out_axes' if where == 'out_axes' else f'vmap in_axes for {where}')
   if spec is not None and (not isinstance(spec, int) or isinstance(spec, bool)):
     raise TypeError(f'vmap in_axes for {where} must give an int or None here, got {spec!r}')
   return spec
@@ -189,6 +194,7 @@ class _Layout:
 def _layout(cfg: MapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs: dict) -> _Layout:
   arg_axes = _positional_axes(cfg.in_axes, len(args))
   values = [_compat.raw_value(v) for v in disc.variables]
+  vmap_checks.check_rules_reach(cfg.name, cfg.state_in, list(zip(disc.paths, disc.variables)), 'the function reaches')
 
   def in_axis(path, var, root_index):
     hit, axis = cfg.state_in.axis_of(path, var)
@@ -216,13 +222,16 @@ def _layout(cfg: MapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs
         'axis: pass it once, give both arguments the same in_axes, or set its axis with state_in_axes'
       )
 
-  split = []
+  split, presplit = [], []
   for k, c in disc.streams:
     if matched[k]:
       continue
     key = values[k]
     if axes[k] is not None and getattr(key, 'ndim', 0) > 0:
       continue  # a stacked stream coming in through a mapped argument: used as given
+    if getattr(key, 'ndim', 0) > 0:  # several keys, broadcast: refused below, naming the cause
+      presplit.append(k)
+      continue
     split.append((k, c))
     axes[k] = 0
     if not matched[c]:
@@ -239,7 +248,8 @@ def _layout(cfg: MapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs
       if norm is None:
         raise ValueError(
           f'{cfg.name}: {disc.describe(i)} is mapped on axis {axis} ({sources[i]}) but its value '
-          f'has shape {tuple(shape)}: map it on an axis it has, or broadcast it with state_in_axes={{None: ...}}'
+          f'has shape {tuple(shape)}: map it on an axis it has, or broadcast it with '
+          f'state_in_axes={{None: {types_code([disc.variables[i]])}}}'
         )
       axes[i] = norm
       sizes.append((shape[norm], disc.describe(i)))
@@ -298,6 +308,7 @@ def _layout(cfg: MapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs
         'batch axis. Pass in_axes=None for it to broadcast it, or map only some Variables with state_in_axes'
       )
     raise ValueError(f'{cfg.name}: inconsistent batch sizes {distinct} ({listing}){hint}')
+  vmap_checks.check_stacked_broadcast(cfg, disc, axes, matched, distinct[0], presplit)
   return _Layout(axes, split, tuple(dyn_axes), distinct[0])
 
 
@@ -311,7 +322,7 @@ def _decide(cfg: MapConfig, disc: Discovery, i: int, in_axis, batched: bool):
         raise BatchAxisError(
           f'{cfg.name}: {disc.describe(i)} is declared state_out_axes=None (one value for the '
           'whole batch) but its new value differs per batch element: declare a batch axis for it, '
-          'e.g. state_out_axes={0: <its filter>}'
+          f'e.g. state_out_axes={{0: {types_code([var])}}}'
         )
       return ONCE
     return out_axis
@@ -329,13 +340,13 @@ def _decide(cfg: MapConfig, disc: Discovery, i: int, in_axis, batched: bool):
     )
   if cfg.policy is Policy.RAISE:
     raise BatchAxisError(
-      f'{what}. Say where the batch axis goes: state_out_axes={{0: <its filter>}} (or map it in '
+      f'{what}. Say where the batch axis goes: state_out_axes={{0: {types_code([var])}}} (or map it in '
       "with state_in_axes), or pass unexpected_out_state_mapping='warn' or 'ignore' to stack it "
       f'on axis 0{hint}'
     )
   if cfg.policy is Policy.WARN:
     warnings.warn(
-      f'{what}: it is stacked on axis 0. Declare state_out_axes={{0: <its filter>}} to say so '
+      f'{what}: it is stacked on axis 0. Declare state_out_axes={{0: {types_code([var])}}} to say so '
       f'and silence this warning{hint}',
       UserWarning,
       stacklevel=_user_stacklevel(),
@@ -441,6 +452,7 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
   call = CallArgs.split(args, kwargs, cfg.statics)
   disc = discover(cfg.fn, args, kwargs)
   layout = _layout(cfg, disc, call, args, kwargs)
+  size = layout.size
   dyn_in = call.dyn
   # jax caches pmapped functions by identity, keeping ``body`` alive: it must not hold tracers
   call = dataclasses.replace(call, dyn=())
@@ -499,8 +511,12 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
     else:
       run_mapped = _vmap_of(cfg, layout, body)
     written_vals, new_vals, out_leaves = run_mapped(state_in, dyn_in)
-  except BaseException:
+    _check_out_rules(cfg, disc, found[0])
+  except BaseException as e:
     disc.restore(contents)
+    clearer = vmap_checks.explain_failure(cfg.name, e)
+    if clearer is not None:
+      raise clearer from e
     raise
   decided = found[0]
   write_values(disc, decided.written, [_place(v, a, empty) for v, a in zip(written_vals, decided.placement)])
@@ -512,7 +528,30 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
       if axis is not ONCE:
         v.set_metadata(tag=cfg.state_tag)
   leaves = [_place(x, ONCE if a is None else a, empty) for x, a in zip(out_leaves, decided.out_axes)]
-  return decided.out_spec.rebuild(leaves, disc)
+  result = decided.out_spec.rebuild(leaves, disc)
+  _mark_stacked(disc, layout, decided, result, size)
+  return result
+
+
+def _check_out_rules(cfg: MapConfig, disc: Discovery, decided: '_Decisions') -> None:
+  """Every ``state_out_axes`` entry must match a Variable reached, created or returned."""
+  named = list(zip(disc.paths, disc.variables)) + [((), v) for v in decided.new_vars]
+  for slot in decided.out_spec.slots:
+    if slot[0] == 'new':
+      named.extend(slot[4])
+  vmap_checks.check_rules_reach(cfg.name, cfg.state_out, named, 'the function reaches or creates')
+
+
+def _mark_stacked(disc: Discovery, layout: _Layout, decided: '_Decisions', result, size: int) -> None:
+  """Record the batch axis on every Variable this call built stacked: those of Modules created
+  inside, those created inside that come out batched, and broadcast ones now stacked."""
+  vmap_checks.mark_results(decided.out_spec, result, decided.out_axes, size)
+  for v, axis in zip(decided.new_vars, decided.new_placement):
+    if axis is not ONCE:
+      mark_stacked(v, axis, size)
+  for i, axis in zip(decided.written, decided.placement):
+    if axis is not ONCE and layout.state_axes[i] is None:
+      mark_stacked(disc.variables[i], axis, size)
 
 
 def _new_var_axis(cfg: MapConfig, variable, batched: bool):
@@ -566,10 +605,12 @@ def _pmap_of(cfg: MapConfig, layout: _Layout, body):
 
 
 def map_config(*, state_in_axes, state_out_axes, unexpected_out_state_mapping, **fields) -> MapConfig:
-  """A ``MapConfig`` from a mapping transform's public keywords (rules and policy normalised)."""
+  """A ``MapConfig`` from a mapping transform's public keywords (rules and policy normalised;
+  an ``nnx.StateAxes`` in ``in_axes`` becomes the ``state_in_axes`` entries it means)."""
+  fields['in_axes'], from_in_axes = vmap_checks.split_state_axes(fields.get('in_axes', 0))
   return MapConfig(
     fn=None,
-    state_in=AxisRules(state_in_axes, 'state_in_axes'),
+    state_in=from_in_axes + AxisRules(state_in_axes, 'state_in_axes'),
     state_out=AxisRules(state_out_axes, 'state_out_axes'),
     policy=Policy.of(unexpected_out_state_mapping),
     **fields,
