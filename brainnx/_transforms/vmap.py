@@ -529,7 +529,7 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
         v.set_metadata(tag=cfg.state_tag)
   leaves = [_place(x, ONCE if a is None else a, empty) for x, a in zip(out_leaves, decided.out_axes)]
   result = decided.out_spec.rebuild(leaves, disc)
-  _mark_stacked(disc, layout, decided, result, size)
+  _mark_stacked(decided, result, size)
   return result
 
 
@@ -542,16 +542,13 @@ def _check_out_rules(cfg: MapConfig, disc: Discovery, decided: '_Decisions') -> 
   vmap_checks.check_rules_reach(cfg.name, cfg.state_out, named, 'the function reaches or creates')
 
 
-def _mark_stacked(disc: Discovery, layout: _Layout, decided: '_Decisions', result, size: int) -> None:
+def _mark_stacked(decided: '_Decisions', result, size: int) -> None:
   """Record the batch axis on every Variable this call built stacked: those of Modules created
-  inside, those created inside that come out batched, and broadcast ones now stacked."""
+  inside and returned, and those created inside that come out batched (``vmap_new_states``)."""
   vmap_checks.mark_results(decided.out_spec, result, decided.out_axes, size)
   for v, axis in zip(decided.new_vars, decided.new_placement):
     if axis is not ONCE:
       mark_stacked(v, axis, size)
-  for i, axis in zip(decided.written, decided.placement):
-    if axis is not ONCE and layout.state_axes[i] is None:
-      mark_stacked(disc.variables[i], axis, size)
 
 
 def _new_var_axis(cfg: MapConfig, variable, batched: bool):

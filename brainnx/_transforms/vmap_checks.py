@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from brainnx import _compat
@@ -172,7 +173,8 @@ def mark_results(spec, result, out_axes: Sequence, size: int) -> None:
       axes: dict = {}
       for (path, _), axis in zip(slot[4], [next(it) for _ in slot[4]]):
         axes.setdefault(tuple(path), axis)
-      for path, var in nnx.to_flat_state(nnx.state(obj)):
+      named = [((), obj)] if isinstance(obj, nnx.Variable) else nnx.to_flat_state(nnx.state(obj))
+      for path, var in named:
         axis = axes.get(tuple(path))
         if isinstance(axis, int) and isinstance(var, nnx.Variable):
           mark_stacked(var, axis, size)
