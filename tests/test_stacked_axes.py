@@ -130,14 +130,14 @@ def test_a_rule_for_other_variables_keeps_them_and_shows_the_whole_line():
 def test_explicit_broadcast_gives_every_element_the_whole_stack():
   model = _square()
   got = bnx.vmap(lambda x: model(x), state_in_axes={None: nnx.Param})(jnp.stack([X, 2 * X, 3 * X, 4 * X]))
-  whole = np.einsum('i,mij->mj', np.asarray(X), np.asarray(model.kernel[...]))
+  whole = np.tensordot(np.asarray(X), np.asarray(model.kernel[...]), axes=(0, 0))  # nnx.Linear on the whole (4, 4, 4) stack
   np.testing.assert_allclose(got, np.stack([whole * k for k in (1, 2, 3, 4)]), rtol=1e-5)
 
 
 def test_another_size_is_not_this_stack_and_broadcasts_as_before():
   model = _square()
   got = bnx.vmap(lambda s: model(X) * s)(jnp.arange(3.0))
-  whole = np.einsum('i,mij->mj', np.asarray(X), np.asarray(model.kernel[...]))
+  whole = np.tensordot(np.asarray(X), np.asarray(model.kernel[...]), axes=(0, 0))  # nnx.Linear on the whole (4, 4, 4) stack
   np.testing.assert_allclose(got, np.stack([whole * s for s in range(3)]), rtol=1e-5)
 
 
