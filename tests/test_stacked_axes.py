@@ -238,3 +238,25 @@ def test_fori_loop_over_steps_is_never_taken_for_layers():
   stack = _layers()
   got = bnx.fori_loop(0, 4, lambda i, c: c + stack.kernel[...].sum(), 0.0)
   np.testing.assert_allclose(got, 4 * float(np.asarray(stack.kernel[...]).sum()), rtol=1e-5)
+
+
+def test_map_never_slices_variables_so_it_does_not_check():
+  """bnx.map over as many inputs as members, handing the whole ensemble to an inner vmap over
+  members: meant, and equal to a Python loop; a plain vmap of that size must say so."""
+  model = _square()
+  forward = lambda x: bnx.vmap(lambda: model(x), axis_size=4, state_in_axes={0: nnx.Param})().mean(0)  # noqa: E731
+  xs = jnp.asarray(np.random.default_rng(3).normal(size=(4, 4)), jnp.float32)
+  want = np.stack([_loop(model, x).mean(0) for x in np.asarray(xs)])
+  np.testing.assert_allclose(bnx.map(forward, xs), want, rtol=1e-5)
+  np.testing.assert_allclose(bnx.map(forward, jnp.concatenate([xs, xs]), batch_size=4), np.concatenate([want, want]), rtol=1e-5)
+  with pytest.raises(bnx.BatchAxisError, match=r"state_in_axes=\{None: nnx\.Param\}"):
+    bnx.vmap(forward)(xs)
+  np.testing.assert_allclose(bnx.vmap(forward, state_in_axes={None: nnx.Param})(xs), want, rtol=1e-5)
+
+
+def test_scan_reads_state_axes_and_refuses_carry_with_the_rewrite():
+  stack = _layers()
+  got = bnx.scan(lambda h, _: (jnp.tanh(stack(h)), None), X, None, state_in_axes=nnx.StateAxes({nnx.Param: 0}))[0]
+  np.testing.assert_allclose(got, _through(stack, np.asarray(X)), rtol=1e-5)
+  with pytest.raises(TypeError, match=r"StateAxes entry \{\.\.\.: nnx\.Carry\}.*state_in_axes=\{0: nnx\.Param\}"):
+    bnx.scan(lambda h, _: (stack(h), None), X, None, state_in_axes=nnx.StateAxes({nnx.Param: 0, ...: nnx.Carry}))

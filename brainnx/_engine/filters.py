@@ -28,7 +28,9 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Hashable, NamedTuple, Sequence
+import contextlib
+import contextvars
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +38,10 @@ from flax import nnx
 
 from brainnx import _compat
 
-__all__ = ['AxisRules', 'Stacked', 'code', 'filter_code', 'mark_stacked', 'rules_code', 'stacked_of', 'types_code']
+__all__ = [
+  'AxisRules', 'Stacked', 'code', 'filter_code', 'mark_stacked', 'rules_code', 'stacked_of', 'stacks_exempt',
+  'stacks_handled_by', 'types_code',
+]
 
 
 class _SameObject:
@@ -194,6 +199,26 @@ def stacked_of(variable) -> Stacked | None:
   if len(shape) != record.ndim or shape[record.axis] != record.size:
     return None
   return record
+
+
+_HANDLED: contextvars.ContextVar = contextvars.ContextVar('brainnx_stacks_handled_by', default=())
+
+
+@contextlib.contextmanager
+def stacks_handled_by(*fns: Callable):
+  """Within: mapped calls and loops of ``fns`` (brainnx's own, as ``map`` runs them) do not refuse
+  stacked Variables broadcast whole; ``map`` has no ``state_in_axes`` to say so."""
+  token = _HANDLED.set(_HANDLED.get() + fns)
+  try:
+    yield
+  finally:
+    _HANDLED.reset(token)
+
+
+def stacks_exempt(fn: Callable) -> bool:
+  """Whether ``fn`` (or the function it wraps) runs under :func:`stacks_handled_by`."""
+  inner = getattr(fn, '__wrapped__', None)
+  return any(fn is f or inner is f for f in _HANDLED.get())
 
 
 # -- filters as code, for messages ------------------------------------------------

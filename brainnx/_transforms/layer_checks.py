@@ -29,10 +29,28 @@ from typing import Any, Sequence
 
 from brainnx._engine.discovery import Discovery
 from brainnx._engine.errors import BatchAxisError
-from brainnx._engine.filters import AxisRules, stacked_of
+from brainnx._engine.filters import AxisRules, filter_code, stacked_of
 from brainnx._transforms.vmap_checks import check_rules_reach, stacked_hint
 
-__all__ = ['check_read_stacks', 'check_rules', 'explain_failure']
+__all__ = ['check_read_stacks', 'check_rules', 'explain_failure', 'from_state_axes']
+
+
+def from_state_axes(state_axes) -> dict:
+  """An ``nnx.StateAxes`` given to ``scan`` as the ``{axis: filter}`` it means; ``nnx.Carry`` is
+  refused with what to write (brainnx carries the Variables a body writes by itself)."""
+  pairs = []
+  for flt, axis in state_axes.items():
+    if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool)):
+      raise TypeError(
+        f'scan: nnx.StateAxes entry {{{filter_code(flt) or repr(flt)}: {filter_code(axis) or repr(axis)}}}: '
+        'a brainnx scan carries every Variable its body writes by itself, so there is no nnx.Carry '
+        'to give; keep only the stacked entries, e.g. state_in_axes={0: nnx.Param}'
+      )
+    pairs.append((axis, flt))
+  grouped: dict = {}
+  for axis, flt in pairs:
+    grouped.setdefault(axis, []).append(flt)
+  return {axis: flts[0] if len(flts) == 1 else tuple(flts) for axis, flts in grouped.items()}
 
 
 def _rules(state_in_axes) -> AxisRules:

@@ -24,12 +24,13 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from brainnx import _compat
 from brainnx._engine.arguments import CallArgs
 from brainnx._engine.discovery import Discovery, discover, is_graph_node
 from brainnx._engine.eager import run
-from brainnx._engine.filters import AxisRules
+from brainnx._engine.filters import AxisRules, stacks_exempt
 from brainnx._transforms.progress import ProgressBar, check_pbar, runner_for
 from brainnx._engine.tracing import Trace, abstract_args, abstract_states, adopt_new, aval_key, trace_call, write_values
 from brainnx._engine.errors import BatchAxisError, check_callable
@@ -243,6 +244,8 @@ def _rules_key(state_in_axes):
   """``state_in_axes`` as a hashable tuple of ``(axis, filter)`` (the eager cache's key)."""
   if state_in_axes is None:
     return None
+  if isinstance(state_in_axes, nnx.StateAxes):  # flax's {filter: axis}, in its order
+    state_in_axes = layer_checks.from_state_axes(state_in_axes)
   items = state_in_axes.items() if isinstance(state_in_axes, dict) else [(0, state_in_axes)]
   return tuple((axis, tuple(f) if isinstance(f, list) else f) for axis, f in items)
 
@@ -343,6 +346,7 @@ def _scan_impl(f, bar, init, xs, length, reverse, unroll, pbar, state_in_axes=No
   runner = runner_for(bar or pbar, n)
   if _in_python() and state_in_axes is None:
     return _all_or_nothing(f, (init, xs), lambda: _python_scan(f, init, xs, n, reverse, runner))
+  layers_check = layers_check and not stacks_exempt(f)
   try:
     body, n_carry = _scan_parts(f, init, xs, 'scan', state_in_axes)
   except Exception as e:

@@ -37,7 +37,9 @@ from flax import nnx
 from brainnx import _compat
 from brainnx._engine.discovery import Discovery, RootKind, is_reference
 from brainnx._engine.errors import BatchAxisError
-from brainnx._engine.filters import AxisRules, code, filter_code, mark_stacked, rules_code, stacked_of, types_code
+from brainnx._engine.filters import (
+  AxisRules, code, filter_code, mark_stacked, rules_code, stacked_of, stacks_exempt, types_code,
+)
 
 __all__ = [
   'check_rules_reach', 'check_stacked_broadcast', 'explain_failure', 'mark_results', 'split_state_axes',
@@ -107,7 +109,7 @@ def check_stacked_broadcast(cfg, disc: Discovery, axes: Sequence, matched: Seque
   """Refuse stacked Variables broadcast into a call of their size, and pre-split streams."""
   offenders = []
   for i, var in enumerate(disc.variables):
-    if axes[i] is not None or matched[i]:
+    if axes[i] is not None or matched[i] or stacks_exempt(cfg.fn):
       continue
     record = stacked_of(var)
     if record is not None and record.size == size:
