@@ -3,7 +3,6 @@
 Oracles: a Python loop over members on plain arrays, and flax's own ``nnx.vmap``.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

@@ -36,7 +36,7 @@ from flax import nnx
 
 from brainnx import _compat
 from brainnx._engine.arguments import ArgKind, CallArgs, StaticArgs
-from brainnx._engine.discovery import LIBRARY_DIRS, Discovery, RootKind, discover, is_graph_node, is_reference, key_name
+from brainnx._engine.discovery import LIBRARY_DIRS, Discovery, RootKind, discover, is_graph_node, key_name
 from brainnx._engine.eager import run
 from brainnx._engine.errors import BatchAxisError
 from brainnx._engine.filters import AxisRules, mark_stacked, types_code
