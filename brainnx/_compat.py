@@ -9,9 +9,11 @@ Importing this module does not start a JAX backend.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import operator
+import threading
 from typing import Any, Callable
 
 from flax.nnx import filterlib as _filterlib
@@ -81,6 +83,11 @@ def set_raw_values(variables, values) -> None:
 attributes = vars
 
 
+def is_node_attributes(container) -> bool:
+  """Whether ``container`` is a flax Pytree's attribute dict (its bookkeeping entries live there)."""
+  return isinstance(container, dict) and '_pytree__state' in container
+
+
 def restore_entries(current: dict, entries: dict, missing) -> None:
   """Put ``entries`` back into a dict or a node's ``attributes()`` (``missing``: delete the key).
 
@@ -142,6 +149,55 @@ def _count_pytree_edits() -> None:
 
 
 _count_pytree_edits()
+
+
+# -- Variables created during a call -------------------------------------------------
+# A Variable made inside a traced call holds a tracer and that trace's level. One kept
+# somewhere brainnx cannot see (and so cannot adopt or roll back) must not stay so: while
+# a brainnx call runs, the Variables flax creates in this thread are logged.
+
+_CREATION = threading.local()
+
+
+def _logging(make: Callable, returns: bool) -> Callable:
+  @functools.wraps(make)
+  def logged(*args, **kwargs):
+    out = make(*args, **kwargs)
+    log = getattr(_CREATION, 'log', None)
+    if log is not None:
+      log.append(out if returns else args[0])
+    return out
+
+  logged.__wrapped_for_log__ = make
+  return logged
+
+
+def _log_variable_creation() -> None:
+  from flax import nnx
+
+  init = nnx.Variable.__dict__['__init__']
+  if hasattr(init, '__wrapped_for_log__'):  # installed already (a reload)
+    return
+  nnx.Variable.__init__ = _logging(init, returns=False)
+  new = nnx.Variable.__dict__['_new'].__func__
+  nnx.Variable._new = classmethod(_logging(new, returns=True))
+
+
+_log_variable_creation()
+
+
+@contextlib.contextmanager
+def created_variables():
+  """The block's log of Variables created in this thread (nested blocks share theirs outward)."""
+  outer = getattr(_CREATION, 'log', None)
+  log: list = []
+  _CREATION.log = log
+  try:
+    yield log
+  finally:
+    _CREATION.log = outer
+    if outer is not None:
+      outer.extend(log)
 
 
 class DataAttribute:

@@ -189,8 +189,8 @@ class Guard:
   __slots__ = ('_cells', '_globals', '_all', '_uncounted', '_seen', 'ok')
 
   def __init__(self, cells, globals_, containers, masks, counted):
-    self._cells = tuple(cells)  # (cell, object)
-    self._globals = tuple(globals_)  # (namespace, name, object)
+    self._cells = list(cells)  # [cell, object]
+    self._globals = list(globals_)  # [namespace, name, object]
     self._all = _entry_check(containers, masks)
     self._uncounted = _entry_check(
       [c for c, n in zip(containers, counted) if not n], [m for m, n in zip(masks, counted) if not n]
@@ -224,6 +224,14 @@ class Guard:
       return True
 
     return ok
+
+  def rebind(self, source: tuple, obj) -> None:
+    """Expect ``obj`` behind a captured name from now on: ``source`` is ``('cell', cell)`` or
+    ``('global', namespace, name)`` (a plain value the traced call itself rebound)."""
+    if source[0] == 'cell':
+      self._cells[:] = [(c, obj if c is source[1] else o) for c, o in self._cells]
+    else:
+      self._globals[:] = [(ns, n, obj if (ns is source[1] and n == source[2]) else o) for ns, n, o in self._globals]
 
 
 def _entry_check(containers, masks) -> Callable[[], bool] | None:
@@ -299,6 +307,7 @@ class Discovery:
   aliases: tuple[tuple[int, Path, int], ...]  # (index, other path, its root) of shared Variables
   guard: Guard
   signature: Hashable  # structure + static attributes + captured names, for sharing traces
+  plain: tuple = ()  # (source, position in the signature's captured part) of captured plain values
 
   def __post_init__(self):
     self._index = {id(v): i for i, v in enumerate(self.variables)}
@@ -319,6 +328,29 @@ class Discovery:
   def describe(self, i: int) -> str:
     """How errors name the ``i``-th Variable (see :func:`describe`)."""
     return describe(self.paths[i], self.variables[i])
+
+  def refresh_captured(self) -> bool:
+    """Take in the plain values (no graph node inside) the captured names hold now.
+
+    Called after a traced call: a function that rebinds a captured counter while it is
+    traced (``global n; n += 1``) must not look changed to its next call, which would
+    trace it again; only a value changed from outside does. Returns whether any changed.
+    """
+    structure, captured = self.signature
+    captured = list(captured)
+    changed = False
+    for source, at in self.plain:
+      obj = _source_value(source)
+      if obj is _MISSING:
+        continue
+      key = (captured[at][0], static_key(obj))
+      if key != captured[at]:
+        captured[at] = key
+        self.guard.rebind(source, obj)
+        changed = True
+    if changed:
+      self.signature = (structure, tuple(captured))
+    return changed
 
   def snapshot(self) -> list:
     """The contents of every container, for :meth:`restore` after a failed call."""
@@ -351,8 +383,21 @@ class Discovery:
         old, new = before.get(key, _MISSING), container.get(key, _MISSING)
         if old is not new and (_is_state(old) or _is_state(new)):
           undo[key] = old
+      if undo and _compat.is_node_attributes(container):
+        # a flax node's own bookkeeping (nnx.List's length, its node names) goes back with its state
+        undo = {k: before.get(k, _MISSING) for k in container.keys() | before.keys()
+                if before.get(k, _MISSING) is not container.get(k, _MISSING)}
       if undo:
         _compat.restore_entries(container, undo, _MISSING)
+
+
+def _source_value(source: tuple):
+  if source[0] == 'cell':
+    try:
+      return source[1].cell_contents
+    except ValueError:
+      return _MISSING
+  return source[1].get(source[2], _MISSING)
 
 
 def _is_state(x) -> bool:
@@ -564,6 +609,7 @@ class _Roots:
     self.cells: list = []
     self.globals: list = []
     self.captured: list = []  # (name, static key) of captured values holding no graph node
+    self.plain: list = []  # (source, position in captured) of those values
     self._explored: set[int] = set()
 
   def add(self, name, kind: RootKind, obj) -> bool:
@@ -578,8 +624,10 @@ class _Roots:
           self.explore(item)
     return found
 
-  def _captured(self, name, kind: RootKind, obj) -> None:
+  def _captured(self, name, kind: RootKind, obj, source: tuple) -> None:
     if not self.add(name, kind, obj) and not isinstance(obj, types.ModuleType):
+      if not callable(obj):
+        self.plain.append((source, len(self.captured)))
       self.captured.append((name, static_key(obj)))
 
   def explore(self, fn) -> None:
@@ -623,7 +671,7 @@ class _Roots:
       if library:  # a library's closures may wrap user code; only what leads to Variables counts
         self.add(name, RootKind.CLOSURE, obj)
       else:
-        self._captured(name, RootKind.CLOSURE, obj)
+        self._captured(name, RootKind.CLOSURE, obj, ('cell', cell))
     if library:
       return  # a library's globals are its own
     namespace = fn.__globals__
@@ -632,7 +680,7 @@ class _Roots:
       if obj is _MISSING:
         continue  # a builtin
       self.globals.append((namespace, name, obj))
-      self._captured(name, RootKind.GLOBAL, obj)
+      self._captured(name, RootKind.GLOBAL, obj, ('global', namespace, name))
     for i, default in enumerate(fn.__defaults__ or ()):
       names = code.co_varnames[: code.co_argcount]
       self.add(names[len(names) - len(fn.__defaults__) + i], RootKind.DEFAULT, default)
@@ -675,6 +723,7 @@ def discover(fun: Callable, args: tuple, kwargs: dict) -> Discovery:
     aliases=tuple(walker.aliases),
     guard=Guard(roots.cells, roots.globals, walker.containers, walker.masks, walker.counted),
     signature=(tuple(walker.signature), tuple(roots.captured)),
+    plain=tuple(roots.plain),
   )
 
 

@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import types
 import weakref
 from typing import Any, Callable, Sequence
@@ -24,6 +25,7 @@ from typing import Any, Callable, Sequence
 import jax
 
 from brainnx import _compat
+from brainnx._engine.arguments import StaticArgs
 from brainnx._engine.caches import WeakCache
 from brainnx._engine.jitted import JitOptions, JittedFunction, weak_or_strong
 
@@ -46,33 +48,61 @@ def run(
   *,
   discover_from: Any = None,
   options: JitOptions = JitOptions(),
-  first_call_op_by_op: bool = False,
+  statics: StaticArgs = StaticArgs(),
 ):
   """``body(*owners, *args, *config, **kwargs)``, compiled when called eagerly.
 
   ``owners`` (functions, transform objects, progress bars; ``None`` entries
-  allowed) are held weakly by the cache; ``config`` is hashable and part of
-  the key. Discovery starts from ``discover_from`` (default: the owners).
-  With ``first_call_op_by_op`` the first eager call runs op by op (no
-  compile: a one-off call of a fresh function costs what ``jax.vmap`` costs)
-  and the program is compiled when the same owners are called again.
+  allowed) are held weakly by the cache; ``config`` is part of the key
+  (unhashable parts, such as Variable instances given as filters, by
+  identity). ``statics`` are the user's static arguments, kept static by the
+  compiled program as by the traced one. Discovery starts from ``discover_from`` (default: the owners).
+  The first eager call compiles, so that the user's function runs once per
+  abstract signature, as under ``jax.jit``.
   """
   kwargs = kwargs or {}
   if not eager():
     return body(*owners, *args, *config, **kwargs)
   live = [x for o in owners if o is not None for x in _key_objects(o)]
-  key = (body, tuple(o is None for o in owners), config)
+  if statics == StaticArgs():
+    statics = options.statics
+  key = (body, tuple(o is None for o in owners), hashable(config), statics)
   jitted = _PROGRAMS.get(live, key)
-  if jitted is None and first_call_op_by_op:
-    _PROGRAMS.set(live, key, _SEEN)
-    return body(*owners, *args, *config, **kwargs)
-  if jitted is None or jitted is _SEEN:
+  if jitted is None:
+    if statics != options.statics:
+      options = dataclasses.replace(options, statics=statics)
     jitted = _compile(body, owners, config, discover_from, options)
     _PROGRAMS.set(live, key, jitted)
   return jitted(*args, **kwargs)
 
 
-_SEEN = object()  # called once op by op: compile on the next call
+class _ByIdentity:
+  """A cache-key stand-in for an unhashable object (a Variable given as a filter): equal only
+  to the same object while it lives."""
+
+  __slots__ = ('ref', '_id')
+
+  def __init__(self, obj):
+    self.ref, self._id = weak_or_strong(obj), id(obj)
+
+  def __hash__(self) -> int:
+    return self._id
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, _ByIdentity) and self._id == other._id and self.ref() is not None and self.ref() is other.ref()
+
+
+def hashable(config):
+  """``config`` with its unhashable parts replaced: lists and dicts by tuples, other objects by identity."""
+  if isinstance(config, (list, tuple)):
+    return (type(config).__name__, *(hashable(x) for x in config))
+  if isinstance(config, dict):
+    return ('dict', *((hashable(k), hashable(v)) for k, v in config.items()))
+  try:
+    hash(config)
+  except TypeError:
+    return _ByIdentity(config)
+  return config
 
 
 def _compile(body, owners, config, discover_from, options) -> JittedFunction:

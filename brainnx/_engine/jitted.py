@@ -41,9 +41,9 @@ from brainnx._engine.caches import LRUCache
 from brainnx._engine.discovery import Discovery, discover, holds_graph_node
 from brainnx._engine.filters import to_filter
 from brainnx._engine.sharding import Rules, arg_specs, constrain, layout_of, place
-from brainnx._engine.tracing import (
-  StatefulFunction, Trace, abstract_states, adopt_new, read_values, set_values, write_values,
-)
+from brainnx._engine.call import check_values, settled_creations
+from brainnx._engine.state import adopt_new, read_values, set_values, write_values
+from brainnx._engine.tracing import StatefulFunction, Trace
 
 __all__ = ['JittedFunction', 'JitOptions', 'NOT_GIVEN']
 
@@ -266,12 +266,16 @@ class JittedFunction:
 
   def _cold_call(self, args, kwargs):
     plan, dyn, disc = self._plan_for(args, kwargs)
-    contents = disc.snapshot()
+    contents, signature = disc.snapshot(), disc.signature
     try:
-      result = plan.compiled(plan.carrier, *plan.state(), *dyn)
+      with settled_creations():  # a cold call traces; its new Variables are adopted by _complete
+        result = plan.compiled(plan.carrier, *plan.state(), *dyn)
     except BaseException:
       disc.restore(contents)  # a failed compile or run keeps no attribute the trace added
       raise
+    if disc.signature != signature:  # the trace rebound a captured counter (see Discovery.refresh_captured)
+      with self._lock:
+        self._compiled.set((disc.signature,) + plan.compiled_key[1:], plan.compiled)
     return _complete(plan, result)
 
   def _plan_for(self, args, kwargs) -> tuple[_Plan, tuple, Discovery]:
@@ -283,13 +287,14 @@ class JittedFunction:
         self._warm = plan.warm
         return plan, call.dyn, plan.disc
     disc = discover(self._fun, args, kwargs)
-    _check_values(disc)
+    check_values(disc, read_values(disc.variables))
     layout = layout_of(disc, self._options.state_shardings)
     if layout and _compat.at_top_level():
       place(disc, layout)
     donated = self._donated_states(disc, call)
     compiled = self._compiled_for(disc, call, donated, layout)
     plan = _Plan(disc, call, compiled, _evictor(self, key), donated, layout)
+    plan.compiled_key = (disc.signature, call.signature, donated, layout)
     self._plans.set(key, plan)
     self._warm = plan.warm
     return plan, call.dyn, disc
@@ -303,7 +308,7 @@ class JittedFunction:
     spec = self._options.donate_states
     if spec is None or spec is False:
       return ()
-    values = [_compat.raw_value(v) for v in disc.variables]
+    values = read_values(disc.variables)
     written = self.stateful_fun.trace_for(disc, call, values, call.dyn).written
     predicate = (lambda path, var: True) if spec is True else to_filter(spec)
     return tuple(sorted(i for i in written if predicate(disc.paths[i], disc.variables[i])))
@@ -339,7 +344,7 @@ class JittedFunction:
     user_in = None if opts.in_shardings is NOT_GIVEN else opts.in_shardings
     out = {'in_shardings': state + arg_specs(call, user_in, 'in_shardings')}
     if opts.out_shardings is not NOT_GIVEN:
-      values = [_compat.raw_value(v) for v in disc.variables]
+      values = read_values(disc.variables)
       if _packs(self.stateful_fun.trace_for(disc, call, values, call.dyn)):
         raise ValueError(
           'jit: out_shardings lays out array outputs, but this function returns graph nodes, '
@@ -488,18 +493,3 @@ def _finish(plan: _Plan, packed: _Packed):
   trace = packed.trace
   adopt_new(trace.new_vars, trace.new_nodes, packed.new)
   return trace.out_spec.rebuild(packed.out, plan.disc)
-
-
-def _check_values(disc: Discovery) -> None:
-  """Every Variable holds arrays (``TypeError`` naming it), and no leaked tracer at top level."""
-  values = [_compat.raw_value(v) for v in disc.variables]
-  abstract_states(disc, values)
-  if not _compat.at_top_level():
-    return
-  for i, v in enumerate(disc.variables):
-    if any(isinstance(x, _compat.Tracer) for x in jax.tree.leaves(_compat.raw_value(v))):
-      raise RuntimeError(
-        f'{disc.describe(i)} holds a leaked tracer (a value left behind by a JAX '
-        'transform that brainnx did not manage). Reset it, e.g. `var[...] = jnp.zeros(shape)`, '
-        'and write Variables inside brainnx transforms only.'
-      )

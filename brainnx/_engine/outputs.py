@@ -19,7 +19,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -28,20 +28,61 @@ from flax import nnx
 from brainnx import _compat
 from brainnx._engine.discovery import Discovery, is_graph_node, is_reference
 
-__all__ = ['OutSpec', 'split_output']
+__all__ = ['Leaf', 'Known', 'KnownNode', 'New', 'Obj', 'OutSpec', 'Same', 'split_output']
 
 # Output leaves that travel as arrays; anything else is returned as a static Python value.
 _TRACEABLE = (jax.Array, np.ndarray, np.generic, int, float, complex, bool, _compat.Tracer, jax.ShapeDtypeStruct)
 
 
+class Leaf(NamedTuple):
+  """An array leaf: one output leaf of the traced function."""
+
+  n_leaves = 1
+
+
+class Known(NamedTuple):
+  """A Variable the call already knew: returned as the same object."""
+
+  index: int  # into the discovery's Variables
+  n_leaves = 0
+
+
+class KnownNode(NamedTuple):
+  """A graph node the call already knew: returned as the same object."""
+
+  index: int  # into the discovery's nodes
+  n_leaves = 0
+
+
+class Obj(NamedTuple):
+  """A static Python value (or a node left attached inside), returned as it is."""
+
+  value: Any
+  n_leaves = 0
+
+
+class New(NamedTuple):
+  """A graph node created inside the call: rebuilt by ``nnx.merge`` from its state's leaves."""
+
+  graphdef: Any
+  state_def: Any
+  n_leaves: int
+  leaf_vars: tuple  # (path, Variable stand-in) for each of the ``n_leaves`` leaves
+
+
+class Same(NamedTuple):
+  """A node returned again: the object built for output position ``first``."""
+
+  first: int
+  n_leaves = 0
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class OutSpec:
-  """How to rebuild a return value from its array leaves."""
+  """How to rebuild a return value from its array leaves: one slot per flattened position."""
 
   treedef: Any  # of the return value, graph nodes kept as leaves
-  # per leaf: ('leaf',) | ('var', i) | ('node', i) | ('obj', x) | ('new', graphdef, treedef, n, leaf_vars)
-  # where ``leaf_vars`` gives ``(path, Variable)`` for each of a new node's ``n`` leaves
-  slots: tuple[tuple, ...]
+  slots: tuple
   has_nodes: bool
 
   def rebuild(self, leaves: Sequence, disc: Discovery) -> Any:
@@ -50,20 +91,25 @@ class OutSpec:
     it = iter(leaves)
     out = []
     for slot in self.slots:
-      kind = slot[0]
-      if kind == 'leaf':
+      kind = type(slot)
+      if kind is Leaf:
         out.append(next(it))
-      elif kind == 'var':
-        out.append(disc.variables[slot[1]])
-      elif kind == 'node':
-        out.append(disc.node_refs[slot[1]]())
-      elif kind == 'obj':
-        out.append(slot[1])
+      elif kind is Known:
+        out.append(disc.variables[slot.index])
+      elif kind is KnownNode:
+        out.append(disc.node_refs[slot.index]())
+      elif kind is Obj:
+        out.append(slot.value)
+      elif kind is Same:
+        out.append(out[slot.first])
       else:
-        _, graphdef, state_def, n, _ = slot
-        state = jax.tree.unflatten(state_def, [next(it) for _ in range(n)])
-        out.append(nnx.merge(graphdef, state))
+        state = jax.tree.unflatten(slot.state_def, [next(it) for _ in range(slot.n_leaves)])
+        out.append(nnx.merge(slot.graphdef, state))
     return jax.tree.unflatten(self.treedef, out)
+
+  def new_nodes(self) -> list:
+    """The ``New`` slots, in output order."""
+    return [s for s in self.slots if type(s) is New]
 
 
 def _stand_in(v):
@@ -77,31 +123,35 @@ def split_output(out: Any, disc: Discovery, attached: Sequence = ()) -> tuple[Ou
   flat, treedef = jax.tree.flatten(out, is_leaf=is_reference)
   attached_ids = {id(x) for x in attached}
   slots, leaves, has_nodes = [], [], False
+  seen: dict[int, int] = {}  # id of a node created inside -> its first output position
   for x in flat:
     if not is_reference(x):
       if isinstance(x, _TRACEABLE):
-        slots.append(('leaf',))
+        slots.append(Leaf())
         leaves.append(x)
       else:  # a string or other Python object: static, it leaves the trace as it is
-        slots.append(('obj', x))
+        slots.append(Obj(x))
         has_nodes = True
       continue
     has_nodes = True
     if not is_graph_node(x):  # a plain object holding graph nodes: returned as it is
-      slots.append(('obj', x))
+      slots.append(Obj(x))
     elif isinstance(x, nnx.Variable) and disc.index_of(x) is not None:
-      slots.append(('var', disc.index_of(x)))
+      slots.append(Known(disc.index_of(x)))
     elif disc.node_index_of(x) is not None:
-      slots.append(('node', disc.node_index_of(x)))
+      slots.append(KnownNode(disc.node_index_of(x)))
     elif id(x) in attached_ids:
-      slots.append(('obj', x))
+      slots.append(Obj(x))
+    elif id(x) in seen:
+      slots.append(Same(seen[id(x)]))
     else:
+      seen[id(x)] = len(slots)
       graphdef, state = nnx.split(x)
       state_leaves, state_def = jax.tree.flatten(state)
       flat_state = nnx.to_flat_state(state) if isinstance(state, nnx.State) else [((), state)]
       leaf_vars = tuple(
         (path, _stand_in(v)) for path, v in flat_state for _ in jax.tree.leaves(v.get_value() if isinstance(v, nnx.Variable) else v)
       )
-      slots.append(('new', graphdef, state_def, len(state_leaves), leaf_vars))
+      slots.append(New(graphdef, state_def, len(state_leaves), leaf_vars))
       leaves.extend(state_leaves)
   return OutSpec(treedef, tuple(slots), has_nodes), leaves

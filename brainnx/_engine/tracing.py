@@ -26,10 +26,8 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import threading
 from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import jax
@@ -39,237 +37,13 @@ import numpy as np
 from brainnx import _compat
 from brainnx._engine.arguments import CallArgs, StaticArgs
 from brainnx._engine.caches import LRUCache
-from brainnx._engine.discovery import Discovery, discover, walk_new
-from brainnx._engine.outputs import OutSpec, split_output
+from brainnx._engine.call import StatefulCall, StepInfo, check_values, settled_creations
 from brainnx._engine.errors import check_callable
+from brainnx._engine.discovery import Discovery, discover
+from brainnx._engine.outputs import OutSpec
+from brainnx._engine.state import _abstract_tree, abstract_args, abstract_states, adopt_new, aval_key, read_values, write_values
 
-__all__ = [
-  'StatefulFunction', 'make_jaxpr', 'StepResult', 'Trace', 'TraceKey', 'TRACE_LOCK', 'STATE_CHANGES',
-  'abstract_args', 'abstract_states', 'adopt_new', 'read_values', 'state_step', 'trace_call', 'write_values',
-]
-
-#: Held while Variables hold tracers and while values are written back, so that no brainnx
-#: call in one thread sees another thread's tracers (warm reads take it only when
-#: ``STATE_CHANGES`` says a change is under way: see :func:`read_values`).
-TRACE_LOCK = threading.RLock()
-
-#: ``[in progress, begun]``: changes of Variable values that another thread must not see
-#: half done (a trace swapping tracers in, a write-back), counted under ``TRACE_LOCK``. A warm
-#: call reads without taking the lock when none is in progress and none began during its read.
-STATE_CHANGES = [0, 0]
-
-
-def read_values(variables: Sequence) -> list:
-  """Every Variable's value: never another thread's tracer, nor half of its write-back."""
-  changes, begun = STATE_CHANGES, STATE_CHANGES[1]
-  if not changes[0]:
-    values = list(map(_compat.raw_value, variables))
-    if changes[1] == begun:
-      return values
-  with TRACE_LOCK:
-    return list(map(_compat.raw_value, variables))
-
-
-def set_values(variables: Sequence, values) -> None:
-  """Store concrete ``values`` in ``variables`` as one change (see ``STATE_CHANGES``)."""
-  with TRACE_LOCK:
-    STATE_CHANGES[0] += 1
-    STATE_CHANGES[1] += 1
-    try:
-      _compat.set_raw_values(variables, values)
-    finally:
-      STATE_CHANGES[0] -= 1
-
-
-# -- the state step -----------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def swapped(disc: Discovery, values: Sequence, *, keep_new: bool = True):
-  """Let every discovered Variable hold ``values[i]`` (writable here) inside the block, which
-  receives the containers' contents as they were before it (``disc.snapshot()``).
-
-  On exit every Variable gets its pre-call value and trace level back, and
-  every graph node its trace level. If the block raises, or ``keep_new`` is
-  false, entries the block added to or replaced in the discovered containers
-  (Module and plain-object attributes, dicts, lists) are rolled back.
-  """
-  variables, nodes = disc.variables, disc.nodes
-  with TRACE_LOCK:
-    old_values = [_compat.raw_value(v) for v in variables]
-    old_levels = [_compat.get_node_trace_state(x) for x in variables]
-    old_node_levels = [_compat.get_node_trace_state(n) for n in nodes]
-    contents = disc.snapshot()
-    level = _compat.new_trace_state()
-    STATE_CHANGES[0] += 1
-    STATE_CHANGES[1] += 1
-    try:
-      for v, x in zip(variables, values):
-        _compat.set_raw_value(v, x)
-        _compat.set_node_trace_state(v, level)
-      for n in nodes:
-        _compat.set_node_trace_state(n, level)
-      yield contents
-      if not keep_new:
-        disc.restore(contents)
-    except BaseException:
-      disc.restore(contents)
-      raise
-    finally:
-      for v, x, lv in zip(variables, old_values, old_levels):
-        _compat.set_raw_value(v, x)
-        _compat.set_node_trace_state(v, lv)
-      for n, lv in zip(nodes, old_node_levels):
-        _compat.set_node_trace_state(n, lv)
-      STATE_CHANGES[0] -= 1
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class StepResult:
-  """What one call did to the state, read inside the trace that ran it.
-
-  ``values`` holds every discovered Variable's value after the call (tracers
-  of the enclosing trace); ``written`` the indices of those that changed.
-  ``new_vars`` are Variables the call created and attached to a discovered
-  container (their values, in ``new_values``, are taken out of them so no
-  tracer outlives the trace: :func:`adopt_new` puts the final ones in);
-  ``new_nodes`` the Pytree nodes among them.
-  """
-
-  out: Any
-  values: list
-  written: tuple[int, ...]
-  new_vars: tuple
-  new_nodes: tuple
-  new_values: list
-
-  def written_values(self) -> list:
-    return [self.values[i] for i in self.written]
-
-  def split_out(self, disc: Discovery) -> tuple[OutSpec, list]:
-    """The return value as a rebuild spec and its array leaves."""
-    return split_output(self.out, disc, self.new_nodes)
-
-  def shape(self) -> 'StepShape':
-    """The part of the result without tracers, safe to keep once the trace ends."""
-    defs = tuple(jax.tree.structure(x) for x in self.new_values)
-    written_defs = tuple(jax.tree.structure(self.values[i]) for i in self.written)
-    return StepShape(self.written, written_defs, self.new_vars, self.new_nodes, defs)
-
-
-class StepShape(NamedTuple):
-  """What a step did, without its traced values."""
-
-  written: tuple[int, ...]
-  written_defs: tuple  # tree structure of each written value (a write may change it: ``sow``)
-  new_vars: tuple
-  new_nodes: tuple
-  new_defs: tuple
-
-
-def state_step(fun: Callable, disc: Discovery, call: CallArgs, state_values: Sequence, dyn: Sequence,
-               *, keep_new: bool = True) -> StepResult:
-  """Swap ``state_values`` in, call ``fun`` on ``call`` with ``dyn``, collect, restore.
-
-  This is the one place a transform runs a user function against the
-  Variables; ``jit``, ``grad``, the mapped body and the loop bodies all
-  call it inside their own trace. With ``keep_new=False`` Variables the
-  function creates are detached again (a trace only).
-  """
-  with swapped(disc, state_values, keep_new=keep_new) as before:
-    edits = _compat.PYTREE_EDITS[0]
-    args, kwargs = call.rebuild(dyn, call.refs)
-    out = fun(*args, **kwargs)
-    now = [_compat.raw_value(v) for v in disc.variables]
-    if _compat.PYTREE_EDITS[0] == edits and disc.unchanged_since(before):
-      new_vars, new_nodes = (), ()  # nothing was attached anywhere: no walk needed
-    else:
-      new_vars, new_nodes = walk_new(disc)
-    new_values = [_compat.raw_value(v) for v in new_vars]
-    for v in new_vars:  # no tracer may outlive its trace: adopt_new gives the final values
-      _compat.set_raw_value(v, jax.tree.map(abstract, _compat.raw_value(v)))
-  written = tuple(i for i, (a, b) in enumerate(zip(now, state_values)) if a is not b)
-  return StepResult(out, now, written, tuple(new_vars), tuple(new_nodes), new_values)
-
-
-def write_values(disc: Discovery, indices: Sequence[int], values: Sequence) -> None:
-  """Write results back, refusing to leave a tracer where it cannot live.
-
-  A tracer may only be stored in a Variable whose trace level is the current
-  one (inside an enclosing brainnx transform). Inside a raw ``jax.jit`` or
-  ``jax.vmap`` the write is refused before any Variable changes.
-  """
-  variables = disc.variables
-  for i, x in zip(indices, values):
-    if _holds_tracer(x) and not _compat.can_update(variables[i]):
-      raise RuntimeError(
-        f'{disc.describe(i)} was written inside a JAX transform that brainnx does not '
-        'manage (a raw jax.jit, jax.vmap, jax.lax.scan, ...): its new value is a tracer '
-        'that would leak out of that transform. Use the brainnx version of the outer '
-        'transform (brainnx.jit, brainnx.vmap, brainnx.scan, ...), or return the value '
-        'instead of writing it.'
-      )
-  set_values([variables[i] for i in indices], values)
-
-
-def _holds_tracer(x) -> bool:
-  return any(isinstance(leaf, _compat.Tracer) for leaf in jax.tree.leaves(x))
-
-
-def adopt_new(new_vars: Sequence, new_nodes: Sequence, values: Sequence) -> None:
-  """Give Variables created inside a call their final values and this trace level."""
-  level = _compat.new_trace_state()
-  for v, x in zip(new_vars, values):
-    _compat.set_raw_value(v, x)
-    _compat.set_node_trace_state(v, level)
-  for n in new_nodes:
-    _compat.set_node_trace_state(n, level)
-
-
-# -- abstract values ---------------------------------------------------------------
-
-_ARRAY_LIKE = (jax.Array, np.ndarray, np.generic, int, float, complex, bool, jax.ShapeDtypeStruct)
-
-
-def abstract(x) -> jax.ShapeDtypeStruct:
-  """A ``ShapeDtypeStruct`` for an array-like, keeping JAX's weak type (Python scalars)."""
-  if isinstance(x, jax.ShapeDtypeStruct):
-    return x
-  aval = jax.typeof(x)
-  sharding = getattr(aval, 'sharding', None)
-  extra = {}
-  if sharding is not None and not sharding.mesh.empty:  # on a mesh (explicit or manual axes): part of the type
-    extra['sharding'] = sharding
-  manual = getattr(aval, 'manual_axis_type', None)
-  if manual is not None and (manual.varying or manual.unreduced or manual.reduced):  # inside shard_map
-    extra['manual_axis_type'] = manual
-  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type, **extra)
-
-
-def _abstract_tree(value, where: Callable[[], str]):
-  for leaf in jax.tree.leaves(value):
-    if not isinstance(leaf, _ARRAY_LIKE) and not isinstance(leaf, _compat.Tracer):
-      raise TypeError(
-        f'{where()} holds a {type(leaf).__name__} ({leaf!r:.60}), not an array: brainnx traces '
-        'Variable values and dynamic arguments as JAX arrays. Store arrays in Variables; pass '
-        'other values as static arguments (static_argnums/static_argnames) or module attributes'
-      )
-  return jax.tree.map(abstract, value)
-
-
-def abstract_states(disc: Discovery, values: Sequence) -> list:
-  """Abstract values of every discovered Variable; a non-array value → ``TypeError`` naming it."""
-  return [_abstract_tree(x, lambda i=i: disc.describe(i)) for i, x in enumerate(values)]
-
-
-def abstract_args(dyn: Sequence) -> list:
-  """Abstract values of a call's dynamic arguments."""
-  return [_abstract_tree(x, lambda k=k: f'dynamic argument {k}') for k, x in enumerate(dyn)]
-
-
-def aval_key(avals) -> Hashable:
-  leaves, treedef = jax.tree.flatten(avals)
-  return treedef, tuple((a.shape, a.dtype, a.weak_type, a.sharding, a.manual_axis_type) for a in leaves)
+__all__ = ['StatefulFunction', 'make_jaxpr', 'Trace', 'TraceKey', 'trace_call']
 
 
 class TraceKey(NamedTuple):
@@ -305,8 +79,12 @@ class Trace:
   new_nodes: tuple
   new_defs: tuple
   out_spec: OutSpec
-  out_shapes: Any
+  out_leaf_shapes: tuple  # ShapeDtypeStruct per output leaf
   cacheable: bool
+
+  def out_shapes(self, disc: Discovery) -> Any:
+    """The output with ``ShapeDtypeStruct`` leaves (Modules created inside rebuilt anew each time)."""
+    return self.out_spec.rebuild(list(self.out_leaf_shapes), disc)
 
   def run(self, state_values: Sequence, dyn_leaves: Sequence):
     """Evaluate the jaxpr: ``(written or all state values, new var values, out leaves)``."""
@@ -353,6 +131,7 @@ def trace_call(
   *,
   only_write: bool = True,
   keep_new: bool = True,
+  name: str | None = None,
 ) -> Trace:
   """Trace ``fun`` on the abstract values of the Variables and dynamic arguments.
 
@@ -360,21 +139,15 @@ def trace_call(
   discovered containers stay attached (holding shapes until the caller
   gives them values with :func:`adopt_new`); otherwise they are detached.
   """
-  found: list = []  # (StepShape, OutSpec) of the traced call: no tracers, which must not outlive it
-
-  @functools.wraps(fun)
-  def flat_fun(states_in, dyn_in):
-    step = state_step(fun, disc, call, states_in, dyn_in, keep_new=keep_new)
-    spec, out_leaves = step.split_out(disc)
-    found.append((step.shape(), spec))
-    return step.written_values(), step.new_values, out_leaves
-
-  closed, shapes = jax.make_jaxpr(flat_fun, return_shape=True)(list(state_avals), list(dyn_avals))
-  (step, spec), = found
-  return _finish_trace(closed, shapes, step, spec, disc, state_avals, only_write)
+  stateful = StatefulCall(fun, disc, call, name=name or getattr(fun, '__name__', 'trace'),
+                          creates='keep' if keep_new else 'detach')
+  pure = functools.wraps(fun)(lambda states_in, dyn_in: stateful.pure(states_in, dyn_in))
+  with settled_creations(lambda: stateful.info.get().new_vars if keep_new else ()):
+    closed, shapes = jax.make_jaxpr(pure, return_shape=True)(list(state_avals), list(dyn_avals))
+  return _finish_trace(closed, shapes, stateful.info.get(), disc, state_avals, only_write)
 
 
-def _finish_trace(closed, shapes, step: StepShape, spec: OutSpec, disc, state_avals, only_write) -> Trace:
+def _finish_trace(closed, shapes, step: StepInfo, disc, state_avals, only_write) -> Trace:
   jaxpr = closed.jaxpr
   leaf_counts = [len(jax.tree.leaves(x)) for x in state_avals]
   starts = np.cumsum([0] + leaf_counts)
@@ -451,8 +224,8 @@ def _finish_trace(closed, shapes, step: StepShape, spec: OutSpec, disc, state_av
     new_vars=step.new_vars,
     new_nodes=step.new_nodes,
     new_defs=step.new_defs,
-    out_spec=spec,
-    out_shapes=spec.rebuild(list(shapes[2]), disc),
+    out_spec=step.out_spec,
+    out_leaf_shapes=tuple(shapes[2]),
     cacheable=cacheable,
   )
 
@@ -548,11 +321,14 @@ class StatefulFunction:
     )
     if trace.cacheable:
       self._cache.set(key, trace)
+      if disc.refresh_captured():  # the trace rebound a captured counter: the next call is the same
+        self._cache.set(TraceKey(disc.signature, *key[1:]), trace)
     return trace
 
   def _trace(self, args, kwargs, keep_new=False):
     call, disc = self._prepare(args, kwargs)
-    values = [_compat.raw_value(v) for v in disc.variables]
+    values = read_values(disc.variables)
+    check_values(disc, values)
     return call, disc, self.trace_for(disc, call, values, call.dyn, keep_new=keep_new)
 
   def make_jaxpr(self, *args, **kwargs) -> 'StatefulFunction':
@@ -730,7 +506,8 @@ class StatefulFunction:
       >>> bnx.StatefulFunction(lambda x: {'sum': x.sum()}).get_out_shapes(jnp.ones((2, 3)))
       {'sum': ShapeDtypeStruct(shape=(), dtype=float32)}
     """
-    return self._trace(args, kwargs)[2].out_shapes
+    _, disc, trace = self._trace(args, kwargs)
+    return trace.out_shapes(disc)
 
   def jaxpr_call(self, state_vals: Sequence, *args, **kwargs) -> tuple[list, Any]:
     """Evaluate the cached jaxpr purely: ``(new_state_vals, out)``.
@@ -814,7 +591,8 @@ class StatefulFunction:
       (2, 3, 2)
     """
     call, disc = self._prepare(args, kwargs)
-    values = [_compat.raw_value(v) for v in disc.variables]
+    values = read_values(disc.variables)
+    check_values(disc, values)
     contents = disc.snapshot()
     try:
       trace = self.trace_for(disc, call, values, call.dyn, keep_new=True)
@@ -919,7 +697,7 @@ def make_jaxpr(
     _, disc, trace = sf._trace(args, kwargs)
     states = tuple(disc.variables[i] for i in trace.states)
     if return_shape:
-      return trace.closed, states, trace.out_shapes
+      return trace.closed, states, trace.out_shapes(disc)
     return trace.closed, states
 
   return make_jaxpr_f

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from brainnx._engine.eager import run
 from brainnx._transforms.grad import GradFunction, _pure_call
 from brainnx._engine.errors import check_callable
 
@@ -111,9 +112,10 @@ def vjp(fun: Callable, *primals, grad_states: Any = None, argnums: int | Sequenc
     argnums = tuple(range(len(primals)))
   argnums_is_int = isinstance(argnums, int)
   nums = (argnums,) if argnums_is_int else (tuple(argnums) if argnums is not None else None)
-  pure, target_vals, arg_vals, write_back, pack = _pure_call(fun, grad_states, nums, has_aux, primals, {}, 'vjp')
-  value, pull, (_, aux, written_vals) = jax.vjp(pure, target_vals, arg_vals, has_aux=True)
-  write_back(written_vals)
+  pure, target_vals, arg_vals, stateful, pack = _pure_call(fun, grad_states, nums, has_aux, primals, {}, 'vjp')
+  with stateful.rolling_back():
+    value, pull, (_, aux, written_vals) = jax.vjp(pure, target_vals, arg_vals, has_aux=True)
+    stateful.write_back(written_vals)
 
   def vjp_fn(cotangent):
     g_states, g_args = pull(cotangent)
@@ -148,11 +150,15 @@ def jvp(fun: Callable, primals: Sequence, tangents: Sequence, has_aux: bool = Fa
     6.0
   """
   check_callable(fun, 'jvp')
-  primals = tuple(primals)
+  return run(_jvp_impl, (fun,), (has_aux,), (tuple(primals), tuple(tangents)))
+
+
+def _jvp_impl(fun, primals, tangents, has_aux):
   nums = tuple(range(len(primals)))
-  pure, target_vals, arg_vals, write_back, _ = _pure_call(fun, None, nums, has_aux, primals, {}, 'jvp')
-  value, tangent_out, (_, aux, written_vals) = jax.jvp(
-    lambda *a: pure(target_vals, list(a)), tuple(arg_vals), tuple(tangents), has_aux=True
-  )
-  write_back(written_vals)
+  pure, target_vals, arg_vals, stateful, _ = _pure_call(fun, None, nums, has_aux, primals, {}, 'jvp')
+  with stateful.rolling_back():
+    value, tangent_out, (_, aux, written_vals) = jax.jvp(
+      lambda *a: pure(target_vals, list(a)), tuple(arg_vals), tuple(tangents), has_aux=True
+    )
+    stateful.write_back(written_vals)
   return (value, tangent_out, aux) if has_aux else (value, tangent_out)

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from brainnx._engine.discovery import discover
 from brainnx._engine.eager import run
 from brainnx._transforms.loops import _Body, _dyn_leaves, _strong
-from brainnx._engine.tracing import write_values
+from brainnx._engine.state import write_values
+from brainnx._engine.errors import check_callable
 
 __all__ = ['cond', 'switch', 'ifelse']
 
@@ -126,6 +127,7 @@ def _check_branches(branches: tuple, name: str) -> None:
   for k, b in enumerate(branches):
     if not callable(b):
       raise TypeError(f'{name}: branch {k} is not callable (got {type(b).__name__})')
+    check_callable(b, f'{name}: branch {k}')
 
 
 def _switch_impl(*args):
@@ -134,7 +136,7 @@ def _switch_impl(*args):
   branches, index, operands = args[:n], args[n], args[n + 1 : -2]
   disc = discover(branches, operands, {})
   bodies = [_Body(b, operands, name, disc) for b in branches]
-  shapes = [jax.tree.map(lambda s: (s.shape, s.dtype), b.trace.out_shapes) for b in bodies]
+  shapes = [jax.tree.map(lambda s: (s.shape, s.dtype), b.trace.out_shapes(b.disc)) for b in bodies]
   for k, s in enumerate(shapes[1:], start=1):
     if jax.tree.structure(s) != jax.tree.structure(shapes[0]) or jax.tree.leaves(s) != jax.tree.leaves(shapes[0]):
       raise ValueError(

@@ -12,8 +12,13 @@ Example:
 
 from __future__ import annotations
 
+import types
+import weakref
 from typing import Any, Callable
 
+from brainnx._engine.caches import WeakCache
+from brainnx._engine.errors import check_callable
+from brainnx._engine.jitted import weak_or_strong
 from brainnx._engine.tracing import StatefulFunction
 
 __all__ = ['eval_shape']
@@ -44,4 +49,27 @@ def eval_shape(fun: Callable, *args, **kwargs) -> Any:
     >>> bnx.eval_shape(lambda x: x @ x.T, jax.ShapeDtypeStruct((3, 5), jnp.float32)).shape
     (3, 3)
   """
-  return StatefulFunction(fun).get_out_shapes(*args, **kwargs)
+  check_callable(fun, 'eval_shape')
+  shaper = _SHAPERS.get([fun])
+  if shaper is None:  # one per function, so a second call with the same signature does not trace again
+    shaper = StatefulFunction(_Weak(fun), name=getattr(fun, '__name__', None))
+    _SHAPERS.set([fun], None, shaper)
+  return shaper.get_out_shapes(*args, **kwargs)
+
+
+_SHAPERS = WeakCache(256)
+
+
+class _Weak:
+  """``fun`` held weakly (a cached StatefulFunction must not keep it alive); discovery follows
+  ``__wrapped__`` to it."""
+
+  def __init__(self, fun):
+    self._ref = weakref.WeakMethod(fun) if isinstance(fun, types.MethodType) else weak_or_strong(fun)
+
+  @property
+  def __wrapped__(self):
+    return self._ref()
+
+  def __call__(self, *args, **kwargs):
+    return self._ref()(*args, **kwargs)

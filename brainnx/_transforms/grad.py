@@ -29,7 +29,8 @@ from brainnx._engine.arguments import ArgKind, CallArgs
 from brainnx._engine.discovery import Discovery, discover, holds_graph_node, is_graph_node
 from brainnx._engine.eager import run
 from brainnx._engine.filters import filter_code, to_filter
-from brainnx._engine.tracing import state_step, write_values
+from brainnx._engine.call import StatefulCall
+from brainnx._engine.state import read_values
 from brainnx._engine.errors import check_callable
 
 __all__ = ['grad', 'value_and_grad']
@@ -138,21 +139,20 @@ def _grad_leaf(var, grad):
 def _pure_call(fun, grad_states, argnums, has_aux, args, kwargs, name='grad'):
   """The call as a pure function of the selected Variables' and arguments' values.
 
-  Returns ``(pure, target_vals, arg_vals, write_back, pack)``: ``pure(t, a)`` gives
-  ``(value, (value, aux, written values))``; ``write_back(written values)`` writes the other
-  Variables back; ``pack(g_states, g_args)`` packs derivatives like the selection.
+  Returns ``(pure, target_vals, arg_vals, stateful, pack)``: ``pure(t, a)`` gives
+  ``(value, (value, aux, written values))``; ``stateful`` is the :class:`StatefulCall`
+  (``stateful.write_back(written values)`` writes the other Variables back, inside
+  ``stateful.rolling_back()``); ``pack(g_states, g_args)`` packs derivatives like the selection.
   """
-  call = CallArgs.split(args, kwargs)
-  disc = discover(fun, args, kwargs)
+  stateful = StatefulCall.enter(fun, args, kwargs, name=name)
+  call, disc, values = stateful.call, stateful.disc, stateful.values
   targets = _Targets(grad_states, disc, args, argnums)
   targets.check_differentiable(disc)
-  values = [_compat.raw_value(v) for v in disc.variables]
   target_at = [disc.index_of(v) for v in targets.variables]
   diff_args = tuple(k for k in (argnums or ()) if k not in targets.node_args)
   for k in diff_args:
     if call.kinds[k] is not ArgKind.DYN:
       raise TypeError(f'{name}: argument {k} (argnums) must be arrays, not a container holding Modules')
-  written: list = []  # indices the traced call wrote, read once the JAX transform returns
 
   def pure(target_vals, arg_vals):
     states = list(values)
@@ -163,10 +163,7 @@ def _pure_call(fun, grad_states, argnums, has_aux, args, kwargs, name='grad'):
     for k, x in zip(diff_args, arg_vals):
       new_args[k] = x
     dyn_call = CallArgs.split(tuple(new_args), kwargs)
-    step = state_step(fun, disc, dyn_call, states, dyn_call.dyn, keep_new=False)
-    if step.new_vars:
-      raise ValueError(f'{name}: the function creates Variables; create them before differentiating')
-    written[:] = step.written
+    step = stateful.step(states, dyn_call.dyn, dyn_call)
     out = step.out
     if has_aux:
       if not (isinstance(out, tuple) and len(out) == 2):
@@ -176,16 +173,13 @@ def _pure_call(fun, grad_states, argnums, has_aux, args, kwargs, name='grad'):
       value, aux = out, None
     return value, (value, aux, step.written_values())
 
-  def write_back(written_vals):
-    write_values(disc, written, written_vals)
-
   def pack(g_states, g_args):
     by_arg = dict(zip(diff_args, g_args))
     by_arg.update({k: pack_node(g_states) for k, pack_node in targets.node_args.items()})
     return targets.pack_states(g_states), by_arg
 
-  target_vals = [_compat.raw_value(v) for v in targets.variables]
-  return pure, target_vals, [args[k] for k in diff_args], write_back, pack
+  target_vals = [values[i] if i is not None else read_values([v])[0] for i, v in zip(target_at, targets.variables)]
+  return pure, target_vals, [args[k] for k in diff_args], stateful, pack
 
 
 def _grad_call(fun, grad_states, argnums, argnums_is_int, has_aux, args, kwargs, transform=jax.grad):
@@ -194,9 +188,10 @@ def _grad_call(fun, grad_states, argnums, argnums_is_int, has_aux, args, kwargs,
   ``transform`` is ``jax.grad``, ``jax.jacrev``, ``jax.jacfwd`` or ``jax.hessian``.
   """
   name = getattr(transform, '__name__', 'grad')
-  pure, target_vals, arg_vals, write_back, pack = _pure_call(fun, grad_states, argnums, has_aux, args, kwargs, name)
-  (g_states, g_args), (value, aux, written_vals) = transform(pure, argnums=(0, 1), has_aux=True)(target_vals, arg_vals)
-  write_back(written_vals)
+  pure, target_vals, arg_vals, stateful, pack = _pure_call(fun, grad_states, argnums, has_aux, args, kwargs, name)
+  with stateful.rolling_back():
+    (g_states, g_args), (value, aux, written_vals) = transform(pure, argnums=(0, 1), has_aux=True)(target_vals, arg_vals)
+    stateful.write_back(written_vals)
   state_grads, by_arg = pack(g_states, g_args)
   arg_grads = None
   if argnums is not None:
@@ -239,6 +234,10 @@ class GradFunction:
 
   def __call__(self, *args, **kwargs):
     return run(GradFunction._impl, (self,), (), args, kwargs, discover_from=(self.fun, self.grad_states))
+
+  def __get__(self, obj, objtype=None):
+    """Decorating a method: ``self`` is bound as the first argument (``argnums`` count it)."""
+    return self if obj is None else functools.partial(self, obj)
 
 
 def grad(

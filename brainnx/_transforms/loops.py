@@ -32,8 +32,10 @@ from brainnx._engine.discovery import Discovery, discover, is_graph_node
 from brainnx._engine.eager import run
 from brainnx._engine.filters import AxisRules, stacks_exempt
 from brainnx._transforms.progress import ProgressBar, check_pbar, runner_for
-from brainnx._engine.tracing import Trace, abstract_args, abstract_states, adopt_new, aval_key, trace_call, write_values
+from brainnx._engine.state import abstract_args, abstract_states, adopt_new, aval_key, read_values, write_values
+from brainnx._engine.tracing import Trace, trace_call
 from brainnx._engine.errors import BatchAxisError, check_callable
+from brainnx._engine.outputs import Leaf
 from brainnx._transforms import layer_checks
 
 __all__ = [
@@ -103,15 +105,16 @@ class _Body:
     self.keep_new = keep_new  # Variables the body creates (Module.sow) come out stacked per step
     self.call = CallArgs.split(args, {})
     self.disc = disc if disc is not None else discover(f, args, {})
-    self.values = [_compat.raw_value(v) for v in self.disc.variables]
+    self.values = read_values(self.disc.variables)
     self.sliced = tuple(sliced)  # Variables stacked on axis 0 that each step sees one slice of
     self._dyn_def = jax.tree.structure(list(self.call.dyn))
     self._traces: dict = {}
+    self.contents = self.disc.snapshot()
     avals = abstract_states(self.disc, self.values)
     for i in self.sliced:
       avals[i] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype, weak_type=a.weak_type), avals[i])
     self.trace = self.last_trace = self._trace_for(avals, abstract_args(self.call.dyn))
-    if (self.trace.new_vars and not keep_new) or any(s[0] == 'new' for s in self.trace.out_spec.slots):
+    if (self.trace.new_vars and not keep_new) or self.trace.out_spec.new_nodes():
       raise ValueError(
         f'{name}: the loop body creates Variables or Modules; create them before the loop '
         '(or use brainnx.vmap_new_states outside it) and only update them inside'
@@ -121,6 +124,8 @@ class _Body:
     key = (aval_key(state_avals), aval_key(dyn_avals))
     trace = self._traces.get(key)
     if trace is None:
+      if self._traces and self.keep_new:  # traced again (a promoted carry): the last trace's creations go
+        self.disc.restore(self.contents)
       trace = trace_call(self.f, self.disc, self.call, state_avals, dyn_avals, keep_new=self.keep_new)
       self._traces[key] = trace
     return trace
@@ -205,7 +210,7 @@ def _pair_layout(body: _Body, init) -> int:
       f'initial carry has {carry_struct}; they must match'
     )
   n_carry_slots = len(jax.tree.leaves(markers[0]))
-  return sum(1 for s in spec.slots[:n_carry_slots] if s[0] == 'leaf')
+  return sum(1 for s in spec.slots[:n_carry_slots] if type(s) is Leaf)
 
 
 def _dyn_leaves(x) -> list:
@@ -259,7 +264,7 @@ def _in_python() -> bool:
 def _all_or_nothing(f, args, loop: Callable):
   """Run a Python loop; if a step fails, every Variable it reaches gets its pre-call value."""
   disc = discover(f, args, {})
-  before, contents = [_compat.raw_value(v) for v in disc.variables], disc.snapshot()
+  before, contents = read_values(disc.variables), disc.snapshot()
   try:
     return loop()
   except BaseException:
@@ -685,9 +690,9 @@ def _while_impl(cond_fun, body_fun, init_val):
   if cond.written:
     names = ', '.join(disc.describe(i) for i in cond.written)
     raise ValueError(f'while_loop: cond_fun writes {names}; cond_fun may only read Variables')
-  shapes = jax.tree.leaves(cond.trace.out_shapes)
+  shapes = jax.tree.leaves(cond.trace.out_shapes(cond.disc))
   if len(shapes) != 1 or shapes[0].shape != () or shapes[0].dtype != jnp.bool_:
-    raise TypeError(f'while_loop: cond_fun must return a boolean scalar, got {cond.trace.out_shapes}')
+    raise TypeError(f'while_loop: cond_fun must return a boolean scalar, got {cond.trace.out_shapes(cond.disc)}')
   init_struct = jax.tree.structure(init_val, is_leaf=is_graph_node)
   out_markers = jax.tree.unflatten(body.trace.out_spec.treedef, list(range(len(body.trace.out_spec.slots))))
   if jax.tree.structure(out_markers) != init_struct:

@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from brainnx import _compat
+
 __all__ = ['ProgressBar', 'check_pbar', 'runner_for']
 
 
@@ -95,6 +97,9 @@ class ProgressBar:
     self._bars: dict[int, Any] = {}
     self._ids = itertools.count(1)
     self._lock = threading.Lock()
+    # made inside a trace (``pbar=ProgressBar()`` inline in a jitted function): nobody else
+    # holds it, so the program that draws it keeps it alive
+    self.inline = not _compat.at_top_level()
 
   def __repr__(self) -> str:
     return f'ProgressBar(freq={self.freq}, count={self.count}, desc={self.desc!r})'
@@ -153,10 +158,12 @@ class _Runner:
 
   A compiled program keeps its callbacks, so they hold the bar weakly: a
   dropped bar is freed, and a program still running without it draws nothing.
+  A bar created inside the traced function (inline) is held by its program.
   """
 
   def __init__(self, bar: ProgressBar, n: int, freq: int):
-    self._bar, self.n, self.freq = weakref.ref(bar), n, freq
+    self._bar = (lambda: bar) if bar.inline else weakref.ref(bar)
+    self.n, self.freq = n, freq
     self.desc = bar.desc
 
   @property

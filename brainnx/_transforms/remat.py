@@ -20,9 +20,8 @@ import jax
 
 from brainnx import _compat
 from brainnx._engine.arguments import CallArgs, StaticArgs, normalize_argnums
-from brainnx._engine.discovery import discover
+from brainnx._engine.call import StatefulCall
 from brainnx._engine.eager import run
-from brainnx._engine.tracing import state_step, write_values
 from brainnx._engine.errors import check_callable
 
 __all__ = ['remat', 'checkpoint']
@@ -62,7 +61,7 @@ def remat(
 
   @functools.wraps(fun)
   def rematted(*args, **kwargs):
-    return run(_remat_impl, (fun,), (prevent_cse, policy, statics), args, kwargs)
+    return run(_remat_impl, (fun,), (prevent_cse, policy, statics), args, kwargs, statics=statics)
 
   return rematted
 
@@ -72,20 +71,8 @@ checkpoint = remat
 
 def _remat_impl(fun, *rest, **kwargs) -> Any:
   *args, prevent_cse, policy, statics = rest
-  call = CallArgs.split(tuple(args), kwargs, statics)
-  disc = discover(fun, tuple(args), kwargs)
-  found: list = []  # (written indices, output spec): no tracers, which must not outlive the trace
-
-  def pure(state_values, dyn):
-    step = state_step(fun, disc, call, state_values, dyn, keep_new=False)
-    if step.new_vars:
-      raise ValueError('remat: the function creates Variables; create them before the rematerialised call')
-    spec, leaves = step.split_out(disc)
-    found.append((step.written, spec))
-    return step.written_values(), leaves
-
-  values = [_compat.raw_value(v) for v in disc.variables]
-  written_values, out_leaves = jax.checkpoint(pure, prevent_cse=prevent_cse, policy=policy)(values, call.dyn)
-  written, spec = found[-1]
-  write_values(disc, written, written_values)
-  return spec.rebuild(list(out_leaves), disc)
+  call = StatefulCall.enter(fun, tuple(args), kwargs, name='remat', statics=statics)
+  with call.rolling_back():
+    written, _, leaves = jax.checkpoint(call.pure, prevent_cse=prevent_cse, policy=policy)(call.values, call.call.dyn)
+    call.write_back(written)
+  return call.output(leaves)

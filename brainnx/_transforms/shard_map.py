@@ -30,10 +30,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from brainnx import _compat
 from brainnx._engine.arguments import ArgKind, CallArgs
-from brainnx._engine.discovery import discover
+from brainnx._engine.call import StatefulCall
 from brainnx._engine.eager import run
 from brainnx._engine.sharding import Rules, arg_specs, check_divides, constrain
-from brainnx._engine.tracing import state_step, write_values
 from brainnx._engine.errors import check_callable
 
 __all__ = ['shard_map']
@@ -119,7 +118,8 @@ def _shard_map_impl(f, *rest, **kwargs):
   mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
   if mesh.empty:
     raise ValueError('shard_map: no mesh: pass mesh=... or call inside `with jax.set_mesh(mesh):`')
-  disc = discover(f, tuple(args), kwargs)
+  stateful = StatefulCall.enter(f, tuple(args), kwargs, name='shard_map')
+  disc = stateful.disc
   specs_in = state_in.specs(disc, _REPLICATED)
   specs_out = tuple(o if o is not None else i for o, i in zip(state_out.specs(disc, None), specs_in))
   mesh_shape = dict(mesh.shape)
@@ -127,29 +127,25 @@ def _shard_map_impl(f, *rest, **kwargs):
     check_divides(disc, i, spec_in, mesh_shape, 'shard_map: state_in_specs')
     check_divides(disc, i, spec_out, mesh_shape, 'shard_map: state_out_specs')
   dyn_specs = arg_specs(call, in_specs, 'shard_map: in_specs', default=_REPLICATED)
-  found: list = []  # the written indices: no tracers, which must not outlive the trace
 
   def per_shard(state_values, dyn):
-    step = state_step(f, disc, call, state_values, dyn, keep_new=False)
-    if step.new_vars:
-      raise ValueError('shard_map: the function creates Variables; create them before the call')
+    step = stateful.step(state_values, dyn)
     spec, leaves = step.split_out(disc)
     if spec.has_nodes:
       raise ValueError('shard_map: the function returns graph nodes or non-array values; return arrays')
-    found.append(step.written)
     return list(step.values), jax.tree.unflatten(spec.treedef, leaves)
 
   per_shard.__name__ = per_shard.__qualname__ = getattr(f, '__name__', 'shard_map')  # JAX's messages name it
 
   # On an explicit mesh a value's layout is part of its type: lay each Variable out as its spec says.
   values = [
-    constrain(_compat.raw_value(v), NamedSharding(mesh, spec)) if mesh.are_all_axes_explicit else _compat.raw_value(v)
-    for v, spec in zip(disc.variables, specs_in)
+    constrain(x, NamedSharding(mesh, spec)) if mesh.are_all_axes_explicit else x
+    for x, spec in zip(stateful.values, specs_in)
   ]
-  now, out = jax.shard_map(
-    per_shard, mesh=mesh, in_specs=(list(specs_in), dyn_specs), out_specs=(list(specs_out), out_specs),
-    axis_names=axis_names, check_vma=check_vma,
-  )(values, tuple(call.dyn))
-  written = found[-1]
-  write_values(disc, written, [now[i] for i in written])
+  with stateful.rolling_back():
+    now, out = jax.shard_map(
+      per_shard, mesh=mesh, in_specs=(list(specs_in), dyn_specs), out_specs=(list(specs_out), out_specs),
+      axis_names=axis_names, check_vma=check_vma,
+    )(values, tuple(call.dyn))
+    stateful.write_back([now[i] for i in stateful.written])
   return out

@@ -41,9 +41,10 @@ from brainnx._engine.eager import run
 from brainnx._engine.errors import BatchAxisError
 from brainnx._engine.filters import AxisRules, mark_stacked, types_code
 from brainnx._engine.jitted import JitOptions
-from brainnx._engine.outputs import OutSpec
+from brainnx._engine.outputs import Leaf, New, OutSpec
 from brainnx._engine.rng import advanced_count, split_per_element
-from brainnx._engine.tracing import adopt_new, state_step, write_values
+from brainnx._engine.call import Record, StatefulCall
+from brainnx._engine.state import adopt_new, read_values, write_values
 from brainnx._engine.errors import check_callable
 from brainnx._transforms import vmap_checks
 
@@ -123,8 +124,11 @@ class MappedFunction:
     return mapped_call(self.config, args, kwargs)
 
   def __call__(self, *args, **kwargs):
-    one_off = self.config.mapper is Mapper.VMAP
-    return run(MappedFunction._traced, (self,), (), args, kwargs, options=self._options, first_call_op_by_op=one_off)
+    return run(MappedFunction._traced, (self,), (), args, kwargs, options=self._options)
+
+  def __get__(self, obj, objtype=None):
+    """Decorating a method: ``self`` is bound as the first argument, as for a function."""
+    return self if obj is None else functools.partial(self, obj)
 
   def __repr__(self) -> str:
     return f'brainnx.{self.config.name}({getattr(self.config.fn, "__name__", self.config.fn)!r})'
@@ -193,7 +197,7 @@ class _Layout:
 
 def _layout(cfg: MapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs: dict) -> _Layout:
   arg_axes = _positional_axes(cfg.in_axes, len(args))
-  values = [_compat.raw_value(v) for v in disc.variables]
+  values = read_values(disc.variables)
   vmap_checks.check_rules_reach(cfg.name, cfg.state_in, list(zip(disc.paths, disc.variables)), 'the function reaches')
 
   def in_axis(path, var, root_index):
@@ -398,10 +402,10 @@ def _out_leaf_axes(cfg: MapConfig, spec) -> list:
   axes = []
   for (path, _), slot in zip(flat, spec.slots):
     axis = _axis_at(cfg.out_axes, tuple(key_name(k) for k in path), 'out_axes')
-    if slot[0] == 'leaf':
+    if type(slot) is Leaf:
       axes.append(axis)
-    elif slot[0] == 'new':
-      for var_path, var in slot[4]:
+    elif type(slot) is New:
+      for var_path, var in slot.leaf_vars:
         hit, declared = cfg.state_out.axis_of(var_path, var)
         axes.append(declared if hit else axis)
   return axes
@@ -412,11 +416,11 @@ def _warn_identical_members(cfg: MapConfig, spec, leaves: list, axes: list, batc
   stack would be the same (an ``nnx.Rngs`` made inside the mapped function)."""
   it = iter(zip(leaves, axes))
   for slot in spec.slots:
-    if slot[0] == 'leaf':
+    if type(slot) is Leaf:
       next(it)
-    elif slot[0] == 'new':
+    elif type(slot) is New:
       params = []
-      for (path, var), (leaf, axis) in zip(slot[4], [next(it) for _ in slot[4]]):
+      for (path, var), (leaf, axis) in zip(slot.leaf_vars, [next(it) for _ in slot.leaf_vars]):
         if isinstance(var, nnx.Param) and axis is not None:
           params.append((path, var, batched(leaf), jnp.ndim(leaf) >= 2))
       # a kernel (2-D or more, randomly initialised in flax) the same for every member is the
@@ -424,7 +428,7 @@ def _warn_identical_members(cfg: MapConfig, spec, leaves: list, axes: list, batc
       if params and not any(p[2] for p in params) and any(p[3] for p in params):
         path, var, _, _ = next(p for p in params if p[3])
         warnings.warn(
-          f'{cfg.name}: no Param of the {slot[1].type.__name__ if hasattr(slot[1], "type") else "Module"} '
+          f'{cfg.name}: no Param of the {slot.graphdef.type.__name__ if hasattr(slot.graphdef, "type") else "Module"} '
           f'created inside depends on the batch, so all members are identical (first: '
           f'{type(var).__name__} at {tuple(path)!r}). Its nnx.Rngs was probably created inside the '
           'mapped function: create it outside (rngs = nnx.Rngs(0); vmap(lambda: Model(rngs=rngs), '
@@ -449,14 +453,13 @@ class _Decisions:
 
 def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
   """One mapped call inside the current trace (see module docstring)."""
-  call = CallArgs.split(args, kwargs, cfg.statics)
-  disc = discover(cfg.fn, args, kwargs)
-  layout = _layout(cfg, disc, call, args, kwargs)
+  stateful = StatefulCall.enter(cfg.fn, args, kwargs, name=cfg.name, statics=cfg.statics, creates='keep')
+  disc, values = stateful.disc, stateful.values
+  layout = _layout(cfg, disc, stateful.call, args, kwargs)
   size = layout.size
-  dyn_in = call.dyn
+  dyn_in = stateful.call.dyn
   # jax caches pmapped functions by identity, keeping ``body`` alive: it must not hold tracers
-  call = dataclasses.replace(call, dyn=())
-  values = [_compat.raw_value(v) for v in disc.variables]
+  stateful.call = dataclasses.replace(stateful.call, dyn=())
   state_in = list(values)
   for k, c in layout.split_streams:
     state_in[k] = split_per_element(values[k], values[c], layout.size)
@@ -474,25 +477,21 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
     state_in = [x if i in split else _one_of_zeros([x], [a])[0] for i, (x, a) in enumerate(zip(state_in, layout.state_axes))]
     dyn_in = tuple(_one_of_zeros(list(dyn_in), list(layout.dyn_axes)))
     layout = dataclasses.replace(layout, size=1)
-  found: list[_Decisions] = []  # set by the first trace of ``body``; pmap traces twice
-  contents = disc.snapshot()
+  decisions = Record(cfg.name)  # set by the first trace of ``body``; pmap traces twice
 
   def body(states, dyn):
     trace = _compat.current_trace()
-    step = state_step(cfg.fn, disc, call, states, dyn)
+    step = stateful.step(states, dyn)
     out_spec, out_leaves = step.split_out(disc)
     written = [i for i in step.written if i not in stream_vars]
-    if found:  # pmap: decisions come from the abstract vmap pass
-      if found[0].written != written:
-        raise RuntimeError(f'{cfg.name}: the function wrote different Variables on its second trace')
-    else:
+    if not decisions.is_set:  # pmap: decisions come from the abstract vmap pass
       batched = lambda x: any(_compat.is_batched_here(leaf, trace) for leaf in jax.tree.leaves(x))  # noqa: E731
       out_axes = _out_leaf_axes(cfg, out_spec)
       for leaf, axis in zip(out_leaves, out_axes):
         if axis is None and batched(leaf):
           raise ValueError(f'{cfg.name}: an output has out_axes=None but depends on the batch')
       _warn_identical_members(cfg, out_spec, out_leaves, out_axes, batched)
-      found.append(_Decisions(
+      decisions.set(_Decisions(
         new_vars=step.new_vars,
         new_nodes=step.new_nodes,
         out_spec=out_spec,
@@ -503,31 +502,31 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
       ))
     return [step.values[i] for i in written], step.new_values, out_leaves
 
-  try:
+  with stateful.rolling_back():
     if cfg.mapper is Mapper.PMAP:
       jax.eval_shape(_vmap_of(cfg, layout, body), state_in, dyn_in)
-      disc.restore(contents)
+      disc.restore(stateful.contents)
       run_mapped = _pmap_of(cfg, layout, body)
     else:
       run_mapped = _vmap_of(cfg, layout, body)
-    written_vals, new_vals, out_leaves = run_mapped(state_in, dyn_in)
-    _check_out_rules(cfg, disc, found[0])
-  except BaseException as e:
-    disc.restore(contents)
-    clearer = vmap_checks.explain_failure(cfg.name, e)
-    if clearer is not None:
-      raise clearer from e
-    raise
-  decided = found[0]
-  write_values(disc, decided.written, [_place(v, a, empty) for v, a in zip(written_vals, decided.placement)])
-  write_values(disc, [c for _, c in layout.split_streams], [advanced_count(values[c]) for _, c in layout.split_streams])
+    try:
+      written_vals, new_vals, out_leaves = run_mapped(state_in, dyn_in)
+    except ValueError as e:
+      vmap_checks.raise_clearer(cfg.name, e)
+      raise
+    decided = decisions.get()
+    _check_out_rules(cfg, disc, decided)
+    written_now = [_place(v, a, empty) for v, a in zip(written_vals, decided.placement)]
+    new_now = [_place(v, a, empty) for v, a in zip(new_vals, decided.new_placement)]
+    leaves = [_place(x, ONCE if a is None else a, empty) for x, a in zip(out_leaves, decided.out_axes)]
+    streams = [c for _, c in layout.split_streams]
+    write_values(disc, decided.written + streams, written_now + [advanced_count(values[c]) for c in streams])
   new_vars = decided.new_vars
-  adopt_new(new_vars, decided.new_nodes, [_place(v, a, empty) for v, a in zip(new_vals, decided.new_placement)])
+  adopt_new(new_vars, decided.new_nodes, new_now)
   if cfg.new_states and cfg.state_tag is not None:
     for v, axis in zip(new_vars, decided.new_placement):
       if axis is not ONCE:
         v.set_metadata(tag=cfg.state_tag)
-  leaves = [_place(x, ONCE if a is None else a, empty) for x, a in zip(out_leaves, decided.out_axes)]
   result = decided.out_spec.rebuild(leaves, disc)
   _mark_stacked(decided, result, size)
   return result
@@ -536,9 +535,8 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
 def _check_out_rules(cfg: MapConfig, disc: Discovery, decided: '_Decisions') -> None:
   """Every ``state_out_axes`` entry must match a Variable reached, created or returned."""
   named = list(zip(disc.paths, disc.variables)) + [((), v) for v in decided.new_vars]
-  for slot in decided.out_spec.slots:
-    if slot[0] == 'new':
-      named.extend(slot[4])
+  for slot in decided.out_spec.new_nodes():
+    named.extend(slot.leaf_vars)
   vmap_checks.check_rules_reach(cfg.name, cfg.state_out, named, 'the function reaches or creates')
 
 

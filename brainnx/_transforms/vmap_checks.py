@@ -37,12 +37,13 @@ from flax import nnx
 from brainnx import _compat
 from brainnx._engine.discovery import Discovery, RootKind, is_reference
 from brainnx._engine.errors import BatchAxisError
+from brainnx._engine.outputs import Leaf, New
 from brainnx._engine.filters import (
   AxisRules, code, filter_code, mark_stacked, rules_code, stacked_of, stacks_exempt, types_code,
 )
 
 __all__ = [
-  'check_rules_reach', 'check_stacked_broadcast', 'explain_failure', 'mark_results', 'split_state_axes',
+  'check_rules_reach', 'check_stacked_broadcast', 'mark_results', 'raise_clearer', 'split_state_axes',
   'stacked_hint', 'state_axes_at',
 ]
 
@@ -140,40 +141,40 @@ def check_stacked_broadcast(cfg, disc: Discovery, axes: Sequence, matched: Seque
     )
 
 
-def explain_failure(name: str, error: BaseException) -> BaseException | None:
-  """A clearer error for a failure inside the mapped function, or ``None``: ``nnx.split_rngs``
-  applied inside it leaves a stream holding several keys where one is drawn."""
-  if not isinstance(error, ValueError) or 'accepts a single key' not in str(error):
-    return None
+def raise_clearer(name: str, error: ValueError) -> None:
+  """Raise a clearer error for a failure inside the mapped function (from ``error``), or return:
+  ``nnx.split_rngs`` applied inside it leaves a stream holding several keys where one is drawn."""
+  if 'accepts a single key' not in str(error):
+    return
   tb, functions = error.__traceback__, set()
   while tb is not None:
     functions.add(tb.tb_frame.f_code.co_name)
     tb = tb.tb_next
   if not any('split_rngs' in f for f in functions):
-    return None
-  return ValueError(
+    return
+  raise ValueError(
     f'{name}: nnx.split_rngs was applied inside the mapped function, so an nnx.Rngs stream held '
     f'several keys where one was drawn ({error}). brainnx.{name} already gives every element its '
     'own key from each stream (and advances the stream once, keeping its count, where '
     'nnx.split_rngs restarts each member at count 0): remove nnx.split_rngs and draw from the '
     'nnx.Rngs as it is'
-  )
+  ) from error
 
 
 def mark_results(spec, result, out_axes: Sequence, size: int) -> None:
   """Give the Variables of Modules created inside the call, returned stacked, their record."""
-  if not any(slot[0] == 'new' for slot in spec.slots):
+  if not spec.new_nodes():
     return
   flat = jax.tree.flatten(result, is_leaf=is_reference)[0]
   if len(flat) != len(spec.slots):
     return
   it = iter(out_axes)
   for slot, obj in zip(spec.slots, flat):
-    if slot[0] == 'leaf':
+    if type(slot) is Leaf:
       next(it)
-    elif slot[0] == 'new':
+    elif type(slot) is New:
       axes: dict = {}
-      for (path, _), axis in zip(slot[4], [next(it) for _ in slot[4]]):
+      for (path, _), axis in zip(slot.leaf_vars, [next(it) for _ in slot.leaf_vars]):
         axes.setdefault(tuple(path), axis)
       named = [((), obj)] if isinstance(obj, nnx.Variable) else nnx.to_flat_state(nnx.state(obj))
       for path, var in named:

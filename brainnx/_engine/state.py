@@ -1,0 +1,264 @@
+"""The state step: run a user function against Variables, and read and write their values.
+
+:func:`state_step` is the one place a user function runs against the
+Variables it reaches: swap values into them, call, collect what it wrote and
+the Variables it created, restore. Values are read and written here under
+one rule: no brainnx call sees another thread's tracers or half of its
+write-back (:func:`read_values`, :func:`set_values`).
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from brainnx._engine.arguments import CallArgs
+  >>> from brainnx._engine.discovery import discover
+  >>> from brainnx._engine.state import state_step
+  >>> count = nnx.Variable(jnp.array(0))
+  >>> def f():
+  ...   count[...] += 1
+  >>> step = state_step(f, discover(f, (), {}), CallArgs.split((), {}), [jnp.array(5)], ())
+  >>> step.written, int(step.values[0]), int(count[...])
+  ((0,), 6, 0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+from brainnx import _compat
+from brainnx._engine.arguments import CallArgs
+from brainnx._engine.discovery import Discovery, walk_new
+from brainnx._engine.outputs import OutSpec, split_output
+
+__all__ = [
+  'STATE_CHANGES', 'TRACE_LOCK', 'StepResult', 'StepShape', 'abstract', 'abstract_args', 'abstract_states',
+  'adopt_new', 'aval_key', 'read_values', 'set_values', 'state_step', 'swapped', 'write_values',
+]
+
+#: Held while Variables hold tracers and while values are written back, so that no brainnx
+#: call in one thread sees another thread's tracers (warm reads take it only when
+#: ``STATE_CHANGES`` says a change is under way: see :func:`read_values`).
+TRACE_LOCK = threading.RLock()
+
+#: ``[in progress, begun]``: changes of Variable values that another thread must not see
+#: half done (a trace swapping tracers in, a write-back), counted under ``TRACE_LOCK``. A warm
+#: call reads without taking the lock when none is in progress and none began during its read.
+STATE_CHANGES = [0, 0]
+
+
+def read_values(variables: Sequence) -> list:
+  """Every Variable's value: never another thread's tracer, nor half of its write-back."""
+  changes, begun = STATE_CHANGES, STATE_CHANGES[1]
+  if not changes[0]:
+    values = list(map(_compat.raw_value, variables))
+    if changes[1] == begun:
+      return values
+  with TRACE_LOCK:
+    return list(map(_compat.raw_value, variables))
+
+
+def set_values(variables: Sequence, values) -> None:
+  """Store concrete ``values`` in ``variables`` as one change (see ``STATE_CHANGES``)."""
+  with TRACE_LOCK:
+    STATE_CHANGES[0] += 1
+    STATE_CHANGES[1] += 1
+    try:
+      _compat.set_raw_values(variables, values)
+    finally:
+      STATE_CHANGES[0] -= 1
+
+
+# -- the state step -----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def swapped(disc: Discovery, values: Sequence, *, keep_new: bool = True):
+  """Let every discovered Variable hold ``values[i]`` (writable here) inside the block, which
+  receives the containers' contents as they were before it (``disc.snapshot()``).
+
+  On exit every Variable gets its pre-call value and trace level back, and
+  every graph node its trace level. If the block raises, or ``keep_new`` is
+  false, entries the block added to or replaced in the discovered containers
+  (Module and plain-object attributes, dicts, lists) are rolled back.
+  """
+  variables, nodes = disc.variables, disc.nodes
+  with TRACE_LOCK:
+    old_values = [_compat.raw_value(v) for v in variables]
+    old_levels = [_compat.get_node_trace_state(x) for x in variables]
+    old_node_levels = [_compat.get_node_trace_state(n) for n in nodes]
+    contents = disc.snapshot()
+    level = _compat.new_trace_state()
+    STATE_CHANGES[0] += 1
+    STATE_CHANGES[1] += 1
+    try:
+      for v, x in zip(variables, values):
+        _compat.set_raw_value(v, x)
+        _compat.set_node_trace_state(v, level)
+      for n in nodes:
+        _compat.set_node_trace_state(n, level)
+      yield contents
+      if not keep_new:
+        disc.restore(contents)
+    except BaseException:
+      disc.restore(contents)
+      raise
+    finally:
+      for v, x, lv in zip(variables, old_values, old_levels):
+        _compat.set_raw_value(v, x)
+        _compat.set_node_trace_state(v, lv)
+      for n, lv in zip(nodes, old_node_levels):
+        _compat.set_node_trace_state(n, lv)
+      STATE_CHANGES[0] -= 1
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepResult:
+  """What one call did to the state, read inside the trace that ran it.
+
+  ``values`` holds every discovered Variable's value after the call (tracers
+  of the enclosing trace); ``written`` the indices of those that changed.
+  ``new_vars`` are Variables the call created and attached to a discovered
+  container (their values, in ``new_values``, are taken out of them so no
+  tracer outlives the trace: :func:`adopt_new` puts the final ones in);
+  ``new_nodes`` the Pytree nodes among them.
+  """
+
+  out: Any
+  values: list
+  written: tuple[int, ...]
+  new_vars: tuple
+  new_nodes: tuple
+  new_values: list
+
+  def written_values(self) -> list:
+    return [self.values[i] for i in self.written]
+
+  def split_out(self, disc: Discovery) -> tuple[OutSpec, list]:
+    """The return value as a rebuild spec and its array leaves."""
+    return split_output(self.out, disc, self.new_nodes)
+
+  def shape(self) -> 'StepShape':
+    """The part of the result without tracers, safe to keep once the trace ends."""
+    defs = tuple(jax.tree.structure(x) for x in self.new_values)
+    written_defs = tuple(jax.tree.structure(self.values[i]) for i in self.written)
+    return StepShape(self.written, written_defs, self.new_vars, self.new_nodes, defs)
+
+
+class StepShape(NamedTuple):
+  """What a step did, without its traced values."""
+
+  written: tuple[int, ...]
+  written_defs: tuple  # tree structure of each written value (a write may change it: ``sow``)
+  new_vars: tuple
+  new_nodes: tuple
+  new_defs: tuple
+
+
+def state_step(fun: Callable, disc: Discovery, call: CallArgs, state_values: Sequence, dyn: Sequence,
+               *, keep_new: bool = True) -> StepResult:
+  """Swap ``state_values`` in, call ``fun`` on ``call`` with ``dyn``, collect, restore.
+
+  This is the one place a transform runs a user function against the
+  Variables; ``jit``, ``grad``, the mapped body and the loop bodies all
+  call it inside their own trace. With ``keep_new=False`` Variables the
+  function creates are detached again (a trace only).
+  """
+  with swapped(disc, state_values, keep_new=keep_new) as before:
+    edits = _compat.PYTREE_EDITS[0]
+    args, kwargs = call.rebuild(dyn, call.refs)
+    out = fun(*args, **kwargs)
+    now = [_compat.raw_value(v) for v in disc.variables]
+    if _compat.PYTREE_EDITS[0] == edits and disc.unchanged_since(before):
+      new_vars, new_nodes = (), ()  # nothing was attached anywhere: no walk needed
+    else:
+      new_vars, new_nodes = walk_new(disc)
+    new_values = [_compat.raw_value(v) for v in new_vars]
+    for v in new_vars:  # no tracer may outlive its trace: adopt_new gives the final values
+      _compat.set_raw_value(v, jax.tree.map(abstract, _compat.raw_value(v)))
+  written = tuple(i for i, (a, b) in enumerate(zip(now, state_values)) if a is not b)
+  return StepResult(out, now, written, tuple(new_vars), tuple(new_nodes), new_values)
+
+
+def write_values(disc: Discovery, indices: Sequence[int], values: Sequence) -> None:
+  """Write results back, refusing to leave a tracer where it cannot live.
+
+  A tracer may only be stored in a Variable whose trace level is the current
+  one (inside an enclosing brainnx transform). Inside a raw ``jax.jit`` or
+  ``jax.vmap`` the write is refused before any Variable changes.
+  """
+  variables = disc.variables
+  for i, x in zip(indices, values):
+    if _holds_tracer(x) and not _compat.can_update(variables[i]):
+      raise RuntimeError(
+        f'{disc.describe(i)} was written inside a JAX transform that brainnx does not '
+        'manage (a raw jax.jit, jax.vmap, jax.lax.scan, ...): its new value is a tracer '
+        'that would leak out of that transform. Use the brainnx version of the outer '
+        'transform (brainnx.jit, brainnx.vmap, brainnx.scan, ...), or return the value '
+        'instead of writing it.'
+      )
+  set_values([variables[i] for i in indices], values)
+
+
+def _holds_tracer(x) -> bool:
+  return any(isinstance(leaf, _compat.Tracer) for leaf in jax.tree.leaves(x))
+
+
+def adopt_new(new_vars: Sequence, new_nodes: Sequence, values: Sequence) -> None:
+  """Give Variables created inside a call their final values and this trace level."""
+  level = _compat.new_trace_state()
+  for v, x in zip(new_vars, values):
+    _compat.set_raw_value(v, x)
+    _compat.set_node_trace_state(v, level)
+  for n in new_nodes:
+    _compat.set_node_trace_state(n, level)
+
+
+# -- abstract values ---------------------------------------------------------------
+
+_ARRAY_LIKE = (jax.Array, np.ndarray, np.generic, int, float, complex, bool, jax.ShapeDtypeStruct)
+
+
+def abstract(x) -> jax.ShapeDtypeStruct:
+  """A ``ShapeDtypeStruct`` for an array-like, keeping JAX's weak type (Python scalars)."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return x
+  aval = jax.typeof(x)
+  sharding = getattr(aval, 'sharding', None)
+  extra = {}
+  if sharding is not None and not sharding.mesh.empty:  # on a mesh (explicit or manual axes): part of the type
+    extra['sharding'] = sharding
+  manual = getattr(aval, 'manual_axis_type', None)
+  if manual is not None and (manual.varying or manual.unreduced or manual.reduced):  # inside shard_map
+    extra['manual_axis_type'] = manual
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type, **extra)
+
+
+def _abstract_tree(value, where: Callable[[], str]):
+  for leaf in jax.tree.leaves(value):
+    if not isinstance(leaf, _ARRAY_LIKE) and not isinstance(leaf, _compat.Tracer):
+      raise TypeError(
+        f'{where()} holds a {type(leaf).__name__} ({leaf!r:.60}), not an array: brainnx traces '
+        'Variable values and dynamic arguments as JAX arrays. Store arrays in Variables; pass '
+        'other values as static arguments (static_argnums/static_argnames) or module attributes'
+      )
+  return jax.tree.map(abstract, value)
+
+
+def abstract_states(disc: Discovery, values: Sequence) -> list:
+  """Abstract values of every discovered Variable; a non-array value → ``TypeError`` naming it."""
+  return [_abstract_tree(x, lambda i=i: disc.describe(i)) for i, x in enumerate(values)]
+
+
+def abstract_args(dyn: Sequence) -> list:
+  """Abstract values of a call's dynamic arguments."""
+  return [_abstract_tree(x, lambda k=k: f'dynamic argument {k}') for k, x in enumerate(dyn)]
+
+
+def aval_key(avals) -> Hashable:
+  leaves, treedef = jax.tree.flatten(avals)
+  return treedef, tuple((a.shape, a.dtype, a.weak_type, a.sharding, a.manual_axis_type) for a in leaves)
