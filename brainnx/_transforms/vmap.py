@@ -528,7 +528,7 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
       if axis is not ONCE:
         v.set_metadata(tag=cfg.state_tag)
   result = decided.out_spec.rebuild(leaves, disc)
-  _mark_stacked(decided, result, size)
+  _mark_stacked(cfg, decided, result, size)
   return result
 
 
@@ -540,10 +540,12 @@ def _check_out_rules(cfg: MapConfig, disc: Discovery, decided: '_Decisions') -> 
   vmap_checks.check_rules_reach(cfg.name, cfg.state_out, named, 'the function reaches or creates')
 
 
-def _mark_stacked(decided: '_Decisions', result, size: int) -> None:
+def _mark_stacked(cfg: MapConfig, decided: '_Decisions', result, size: int) -> None:
   """Record the batch axis on every Variable this call built stacked: those of Modules created
   inside and returned, and those created inside that come out batched (``vmap_new_states``)."""
   vmap_checks.mark_results(decided.out_spec, result, decided.out_axes, size)
+  if not cfg.new_states:  # a sown Intermediate under plain vmap stays as flax would give it
+    return
   for v, axis in zip(decided.new_vars, decided.new_placement):
     if axis is not ONCE:
       mark_stacked(v, axis, size)
