@@ -13,7 +13,7 @@ from brainnx._transforms.vmap import vmap, vmap_new_states
 from brainnx._transforms.pmap import pmap
 from brainnx._transforms.remat import checkpoint, remat
 from brainnx._transforms.shard_map import shard_map
-from brainnx._engine.tracing import StatefulFunction, make_jaxpr
+from brainnx._engine.stateful_function import StatefulFunction, make_jaxpr
 
 def _version() -> str:
   """The installed distribution's version; the source tree's when brainnx is not installed."""

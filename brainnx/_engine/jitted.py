@@ -31,7 +31,7 @@ import dataclasses
 import functools
 import threading
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
 
@@ -43,7 +43,8 @@ from brainnx._engine.filters import to_filter
 from brainnx._engine.sharding import Rules, arg_specs, constrain, layout_of, place
 from brainnx._engine.call import check_values, settled_creations
 from brainnx._engine.state import adopt_new, read_values, set_values, write_values
-from brainnx._engine.tracing import StatefulFunction, Trace
+from brainnx._engine.stateful_function import StatefulFunction
+from brainnx._engine.tracing import Trace
 
 __all__ = ['JittedFunction', 'JitOptions', 'NOT_GIVEN']
 

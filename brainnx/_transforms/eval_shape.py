@@ -19,7 +19,7 @@ from typing import Any, Callable
 from brainnx._engine.caches import WeakCache
 from brainnx._engine.errors import check_callable
 from brainnx._engine.jitted import weak_or_strong
-from brainnx._engine.tracing import StatefulFunction
+from brainnx._engine.stateful_function import StatefulFunction
 
 __all__ = ['eval_shape']
 

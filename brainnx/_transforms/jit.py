@@ -71,19 +71,9 @@ def jit(
   callable with the same arguments and writes back), ``.clear_cache()`` and
   ``.stateful_fun`` (the underlying :class:`StatefulFunction`).
 
-  A call retraces when the objects it reaches change: a rebound global or
-  closure name, an attribute set or deleted on a Module (or ``nnx.List``,
-  ``nnx.Dict``, ``Rngs``, ...), an entry of a plain dict, list or object. The
-  attributes of flax Pytrees are compared only after flax has changed some
-  Pytree's attributes (``setattr``, ``delattr``, an nnx transform's write-back),
-  which is what keeps a warm call over a deep model cheap; writes that bypass
-  flax (``vars(module)[name] = x``, ``object.__setattr__``) are not noticed:
-  call ``.clear_cache()`` after them.
-
-  Threads: calls of brainnx transforms never see another thread's tracers.
-  A plain read of a Variable (``v[...]``) outside any brainnx call while
-  another thread traces a function using it may see a tracer: read it
-  inside a brainnx call, or after the other thread's call returns.
+  When a cached call is reused, what makes it retrace, and the rules for threads are in
+  ``docs/api.md`` ("Terms and rules every transform keeps"); writes that bypass flax
+  (``vars(module)[name] = x``) are not noticed: call ``.clear_cache()`` after them.
 
   Args:
     fun: the function to compile. Default ``None``: return a decorator.

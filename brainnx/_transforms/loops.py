@@ -36,6 +36,7 @@ from brainnx._engine.state import abstract_args, abstract_states, adopt_new, ava
 from brainnx._engine.tracing import Trace, trace_call
 from brainnx._engine.errors import BatchAxisError, check_callable
 from brainnx._engine.outputs import Leaf
+from brainnx._engine.caches import LRUCache
 from brainnx._transforms import layer_checks
 
 __all__ = [
@@ -108,7 +109,7 @@ class _Body:
     self.values = read_values(self.disc.variables)
     self.sliced = tuple(sliced)  # Variables stacked on axis 0 that each step sees one slice of
     self._dyn_def = jax.tree.structure(list(self.call.dyn))
-    self._traces: dict = {}
+    self._traces = LRUCache(32)  # the trace cache StatefulFunction and jit use, per abstract signature
     self.contents = self.disc.snapshot()
     avals = abstract_states(self.disc, self.values)
     for i in self.sliced:
@@ -124,10 +125,10 @@ class _Body:
     key = (aval_key(state_avals), aval_key(dyn_avals))
     trace = self._traces.get(key)
     if trace is None:
-      if self._traces and self.keep_new:  # traced again (a promoted carry): the last trace's creations go
+      if len(self._traces) and self.keep_new:  # traced again (a promoted carry): the last trace's creations go
         self.disc.restore(self.contents)
       trace = trace_call(self.f, self.disc, self.call, state_avals, dyn_avals, keep_new=self.keep_new)
-      self._traces[key] = trace
+      self._traces.set(key, trace)
     return trace
 
   @property

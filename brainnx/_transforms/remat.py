@@ -18,8 +18,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from brainnx import _compat
-from brainnx._engine.arguments import CallArgs, StaticArgs, normalize_argnums
+from brainnx._engine.arguments import StaticArgs, normalize_argnums
 from brainnx._engine.call import StatefulCall
 from brainnx._engine.eager import run
 from brainnx._engine.errors import check_callable
