@@ -1,10 +1,16 @@
 """``state_in_axes`` / ``state_out_axes``: from NNX filters to a batch axis per Variable.
 
-A rule set is ``None`` (no rules), a filter (shorthand for ``{0: filter}``)
-or a dict ``{axis: filter}`` with ``axis`` an int or ``None`` (broadcast).
-A filter is anything ``nnx.filterlib.to_predicate`` accepts, or a Variable
-instance, or a list/tuple of Variable instances (matched by identity).
-The first matching entry wins.
+A rule set is ``None`` (no rules), a filter (shorthand for ``{0: filter}``),
+a dict ``{axis: filter}`` with ``axis`` an int or ``None`` (broadcast), or
+flax's ``nnx.StateAxes({filter: axis})``, read in its order. A filter is
+anything ``nnx.filterlib.to_predicate`` accepts, or a Variable instance, or a
+list/tuple of Variable instances (matched by identity). The first matching
+entry wins.
+
+Variables a brainnx ``vmap`` builds stacked carry a :class:`Stacked` record
+as their ``stacked`` metadata (kept by ``nnx.state``, ``nnx.split``,
+``nnx.merge`` and ``nnx.clone``), so that a transform can tell a stack being
+broadcast by mistake from a Variable meant to be shared.
 
 Example:
   >>> import jax.numpy as jnp
@@ -16,17 +22,26 @@ Example:
   ((True, 0), (True, None))
   >>> AxisRules(None, 'state_in_axes').axis_of(('w',), w)
   (False, None)
+  >>> AxisRules(nnx.StateAxes({nnx.Param: 0, ...: None}), 'state_in_axes').axis_of(('s',), s)
+  (True, None)
 """
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Sequence
+import contextlib
+import contextvars
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from brainnx import _compat
 
-__all__ = ['AxisRules']
+__all__ = [
+  'AxisRules', 'Stacked', 'code', 'filter_code', 'mark_stacked', 'rules_code', 'stacked_of', 'stacks_exempt',
+  'stacks_handled_by', 'types_code',
+]
 
 
 class _SameObject:
@@ -41,6 +56,23 @@ class _SameObject:
 
   def __repr__(self) -> str:
     return f'Variables({self._names})'
+
+
+class _InArgument:
+  """An ``nnx.StateAxes`` filter given in ``in_axes`` for positional argument ``index`` (``None``:
+  every positional argument): it sees that argument's Variables only, with paths relative to it
+  (as flax's filters do)."""
+
+  def __init__(self, index: int | None, predicate):
+    self.index, self.predicate = index, predicate
+
+  def __call__(self, path, variable) -> bool:
+    if not path or not isinstance(path[0], int) or isinstance(path[0], bool):
+      return False
+    return (self.index is None or path[0] == self.index) and self.predicate(path[1:], variable)
+
+  def __repr__(self) -> str:
+    return f'{self.predicate!r} in argument {self.index}'
 
 
 def to_filter(spec: Any):
@@ -61,18 +93,46 @@ def to_filter(spec: Any):
     ) from e
 
 
+def _is_axis(x) -> bool:
+  return x is None or (isinstance(x, int) and not isinstance(x, bool))
+
+
 class AxisRules:
   """Ordered ``(axis, predicate)`` entries built from a user's rule spec."""
 
   def __init__(self, spec: Any, what: str):
+    self.what = what
     self.entries: list[tuple[int | None, Any, Any]] = []  # (axis, predicate, original filter)
     if spec is None:
       return
-    items = spec.items() if isinstance(spec, dict) else [(0, spec)]
+    if isinstance(spec, nnx.StateAxes):
+      items = [(axis, flt) for flt, axis in spec.items()]
+    elif isinstance(spec, dict):
+      items = list(spec.items())
+      if items and not all(_is_axis(axis) for axis, _ in items) and all(_is_axis(v) for _, v in items):
+        raise TypeError(
+          f'{what} maps batch axes to filters, {{axis: filter}}, the other way round from '
+          f'nnx.StateAxes: did you mean {what}={rules_code([(v, k) for k, v in items])}? (Or keep '
+          f'your dict as {what}=nnx.StateAxes({_dict_code(items)}), which brainnx reads in its order.)'
+        )
+    else:
+      items = [(0, spec)]
     for axis, flt in items:
-      if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool)):
+      if not _is_axis(axis):
         raise TypeError(f'{what}: axis keys must be int or None, got {axis!r} for filter {flt!r}')
       self.entries.append((axis, to_filter(flt), flt))
+
+  @classmethod
+  def in_argument(cls, state_axes, index: int | None, what: str) -> 'AxisRules':
+    """Rules from an ``nnx.StateAxes`` given in ``in_axes`` for positional argument ``index``."""
+    rules = cls(state_axes, what)
+    rules.entries = [(axis, _InArgument(index, pred), flt) for axis, pred, flt in rules.entries]
+    return rules
+
+  def __add__(self, other: 'AxisRules') -> 'AxisRules':
+    rules = AxisRules(None, self.what)
+    rules.entries = self.entries + other.entries
+    return rules
 
   def __bool__(self) -> bool:
     return bool(self.entries)
@@ -83,3 +143,152 @@ class AxisRules:
       if predicate(path, variable):
         return True, axis
     return False, None
+
+  def unmatched(self, named: Sequence[tuple[tuple, Any]]) -> list[tuple[int | None, Any, Any]]:
+    """The entries whose filter accepts none of the ``(path, Variable)`` pairs."""
+    return [e for e in self.entries if not any(e[1](path, v) for path, v in named)]
+
+  def entry_code(self, entry) -> str:
+    """How a message shows one entry, e.g. ``state_in_axes entry {0: 'params'}``."""
+    axis, predicate, flt = entry
+    shown = filter_code(flt) or repr(flt)
+    if isinstance(predicate, _InArgument):
+      where = 'in_axes' if predicate.index is None else f'in_axes[{predicate.index}]'
+      return f'{where} nnx.StateAxes entry {{{shown}: {axis}}}'
+    return f'{self.what} entry {{{axis}: {shown}}}'
+
+
+# -- the stacked record ------------------------------------------------------------
+
+
+class Stacked(NamedTuple):
+  """The ``stacked`` metadata of a Variable a brainnx ``vmap`` built stacked.
+
+  ``axis`` and ``size`` are its batch axis and the number of members;
+  ``ndim`` the rank of its value then. A value of another rank (one member's
+  slice inside a mapped call, one layer's inside a scan) is not taken as
+  stacked.
+  """
+
+  axis: int
+  size: int
+  ndim: int
+
+
+def _first_leaf(variable):
+  leaves = jax.tree.leaves(_compat.raw_value(variable))
+  return leaves[0] if leaves else None
+
+
+def mark_stacked(variable, axis: int, size: int) -> None:
+  """Record on ``variable`` that it is stacked on ``axis`` with ``size`` members."""
+  leaf = _first_leaf(variable)
+  if leaf is None or not jnp.ndim(leaf):
+    return
+  ndim = jnp.ndim(leaf)
+  variable.set_metadata(stacked=Stacked(axis % ndim, size, ndim))
+
+
+def stacked_of(variable) -> Stacked | None:
+  """The Variable's :class:`Stacked` record while its value still has that layout, else ``None``."""
+  record = variable.get_metadata().get('stacked') if isinstance(variable, nnx.Variable) else None
+  if not isinstance(record, Stacked):
+    return None
+  leaf = _first_leaf(variable)
+  shape = jnp.shape(leaf) if leaf is not None else ()
+  if len(shape) != record.ndim or shape[record.axis] != record.size:
+    return None
+  return record
+
+
+_HANDLED: contextvars.ContextVar = contextvars.ContextVar('brainnx_stacks_handled_by', default=())
+
+
+@contextlib.contextmanager
+def stacks_handled_by(*fns: Callable):
+  """Within: mapped calls and loops of ``fns`` (brainnx's own, as ``map`` runs them) do not refuse
+  stacked Variables broadcast whole; ``map`` has no ``state_in_axes`` to say so."""
+  token = _HANDLED.set(_HANDLED.get() + fns)
+  try:
+    yield
+  finally:
+    _HANDLED.reset(token)
+
+
+def stacks_exempt(fn: Callable) -> bool:
+  """Whether ``fn`` (or the function it wraps) runs under :func:`stacks_handled_by`."""
+  inner = getattr(fn, '__wrapped__', None)
+  return any(fn is f or inner is f for f in _HANDLED.get())
+
+
+# -- filters as code, for messages ------------------------------------------------
+
+
+def _type_code(t: type) -> str:
+  return f'nnx.{t.__name__}' if getattr(nnx, t.__name__, None) is t else t.__name__
+
+
+def filter_code(flt: Any) -> str | None:
+  """``flt`` as the Python a user would write (``nnx.Param``, ``'dropout'``), or ``None``."""
+  if flt is Ellipsis:
+    return '...'
+  if flt is None or isinstance(flt, (bool, str, int)):
+    return repr(flt)
+  if isinstance(flt, type):
+    return _type_code(flt)
+  if isinstance(flt, (tuple, list)):
+    parts = [filter_code(f) for f in flt]
+    return None if None in parts else '(' + ', '.join(parts) + (',)' if len(parts) == 1 else ')')
+  if isinstance(flt, nnx.OfType):
+    return _type_code(flt.type)
+  if isinstance(flt, nnx.WithTag):
+    return repr(flt.tag)
+  if isinstance(flt, nnx.PathContains):
+    return f'nnx.PathContains({flt.key!r})'
+  if isinstance(flt, nnx.Not):
+    inner = filter_code(getattr(flt, 'predicate', None))
+    return inner and f'nnx.Not({inner})'
+  if isinstance(flt, (nnx.Any, nnx.All)):
+    parts = [filter_code(p) for p in getattr(flt, 'predicates', ())]
+    return None if not parts or None in parts else f'nnx.{type(flt).__name__}({", ".join(parts)})'
+  return None
+
+
+def types_code(variables: Sequence[Any]) -> str:
+  """A filter selecting the types of ``variables``: ``nnx.Param`` or ``(nnx.Param, nnx.RngState)``."""
+  names: list[str] = []
+  for v in variables:
+    name = 'nnx.RngState' if isinstance(v, (nnx.RngKey, nnx.RngCount)) else _type_code(type(v))
+    if name not in names:
+      names.append(name)
+  return names[0] if len(names) == 1 else '(' + ', '.join(names) + ')'
+
+
+def _dict_code(items: Sequence[tuple[Any, Any]]) -> str:
+  return '{' + ', '.join(f'{filter_code(k) or repr(k)}: {filter_code(v) or repr(v)}' for k, v in items) + '}'
+
+
+def rules_code(pairs: Sequence[tuple[int | None, Any]]) -> str:
+  """``{axis: filter}`` code for ``(axis, filter)`` pairs (a filter may already be code, see
+  :func:`code`); pairs sharing an axis are joined into one tuple."""
+  grouped: dict = {}
+  for axis, flt in pairs:
+    text = flt if isinstance(flt, _Code) else (filter_code(flt) or repr(flt))
+    grouped.setdefault(axis, []).append(text)
+
+  def joined(texts):
+    if len(texts) == 1:
+      return texts[0]
+    parts = [t[1:-1].rstrip(',') if t.startswith('(') else t for t in texts]
+    return '(' + ', '.join(parts) + ')'
+
+  return '{' + ', '.join(f'{axis}: {joined(texts)}' for axis, texts in grouped.items()) + '}'
+
+
+class _Code(str):
+  """A filter already written as code (see :func:`rules_code`)."""
+
+
+def code(text: str) -> _Code:
+  """Mark ``text`` as filter code for :func:`rules_code`."""
+  return _Code(text)

@@ -28,7 +28,7 @@ from brainnx import _compat
 from brainnx._engine.arguments import ArgKind, CallArgs
 from brainnx._engine.discovery import Discovery, discover, holds_graph_node, is_graph_node
 from brainnx._engine.eager import run
-from brainnx._engine.filters import to_filter
+from brainnx._engine.filters import filter_code, to_filter
 from brainnx._engine.call import StatefulCall
 from brainnx._engine.state import read_values
 from brainnx._engine.errors import check_callable
@@ -41,6 +41,7 @@ class _Targets:
 
   def __init__(self, spec, disc: Discovery, call_args: tuple, argnums):
     self.variables: list = []  # unique Variables, in input order
+    self.spec = spec
     self._pack_state = lambda grads: None
     if spec is not None:
       self._pack_state = self._resolve(spec, disc)
@@ -92,8 +93,21 @@ class _Targets:
           where = disc.describe(i) if i is not None else type(v).__name__
           raise TypeError(
             f'grad: cannot differentiate with respect to {where} (dtype {dtype}): only '
-            'floating-point Variables have gradients; select them, e.g. grad_states=nnx.Param'
+            f'floating-point Variables have gradients; {self._fix(v, disc.paths[i] if i is not None else ())}'
           )
+
+  def _fix(self, variable, path) -> str:
+    """What to write instead, for a non-differentiable ``variable`` the selection took."""
+    if not isinstance(variable, nnx.Param):
+      return 'select the floating-point ones, e.g. grad_states=nnx.Param'
+    name = path[-1] if path else None
+    chosen = filter_code(self.spec) if self.spec is not None and not is_graph_node(self.spec) else None
+    around = f'nnx.All({chosen or "nnx.Param"}, nnx.Not(nnx.PathContains({name!r})))'
+    return (
+      'it is an nnx.Param, so grad_states=nnx.Param (or passing its Module) selects it too. Hold it '
+      f'in an nnx.Variable instead (self.{name if isinstance(name, str) else "step"} = '
+      f'nnx.Variable(...) in the Module), or select around it: grad_states={around}'
+    )
 
   def pack_states(self, grads):
     return self._pack_state(grads)

@@ -24,18 +24,20 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from brainnx import _compat
 from brainnx._engine.arguments import CallArgs
 from brainnx._engine.discovery import Discovery, discover, is_graph_node
 from brainnx._engine.eager import run
-from brainnx._engine.filters import AxisRules
+from brainnx._engine.filters import AxisRules, stacks_exempt
 from brainnx._transforms.progress import ProgressBar, check_pbar, runner_for
 from brainnx._engine.state import abstract_args, abstract_states, adopt_new, aval_key, read_values, write_values
 from brainnx._engine.tracing import Trace, trace_call
-from brainnx._engine.errors import check_callable
+from brainnx._engine.errors import BatchAxisError, check_callable
 from brainnx._engine.outputs import Leaf
 from brainnx._engine.caches import LRUCache
+from brainnx._transforms import layer_checks
 
 __all__ = [
   'scan', 'for_loop', 'checkpointed_scan', 'checkpointed_for_loop', 'while_loop', 'fori_loop',
@@ -248,6 +250,8 @@ def _rules_key(state_in_axes):
   """``state_in_axes`` as a hashable tuple of ``(axis, filter)`` (the eager cache's key)."""
   if state_in_axes is None:
     return None
+  if isinstance(state_in_axes, nnx.StateAxes):  # flax's {filter: axis}, in its order
+    state_in_axes = layer_checks.from_state_axes(state_in_axes)
   items = state_in_axes.items() if isinstance(state_in_axes, dict) else [(0, state_in_axes)]
   return tuple((axis, tuple(f) if isinstance(f, list) else f) for axis, f in items)
 
@@ -341,14 +345,22 @@ def scan(
   return run(_scan_impl, (f, bar), (length, reverse, unroll, rest, _rules_key(state_in_axes)), (init, xs))
 
 
-def _scan_impl(f, bar, init, xs, length, reverse, unroll, pbar, state_in_axes=None):
+def _scan_impl(f, bar, init, xs, length, reverse, unroll, pbar, state_in_axes=None, layers_check=True):
   if state_in_axes is not None and length is None and not jax.tree.leaves(xs):
     length = _stacked_length(f, init, xs, state_in_axes)
   n = leading_length(xs, length, 'scan')
   runner = runner_for(bar or pbar, n)
   if _in_python() and state_in_axes is None:
     return _all_or_nothing(f, (init, xs), lambda: _python_scan(f, init, xs, n, reverse, runner))
-  body, n_carry = _scan_parts(f, init, xs, 'scan', state_in_axes)
+  layers_check = layers_check and not stacks_exempt(f)
+  try:
+    body, n_carry = _scan_parts(f, init, xs, 'scan', state_in_axes)
+  except Exception as e:
+    if layers_check and not isinstance(e, BatchAxisError):
+      layer_checks.explain_failure(discover(f, (init, _step_example(xs)), {}), n, state_in_axes, e)
+    raise
+  if layers_check:
+    layer_checks.check_read_stacks(body.disc, body.trace, body.sliced, n, state_in_axes)
   stacked = [body.values[i] for i in body.sliced]
   for i, value in zip(body.sliced, stacked):
     sizes = {jnp.shape(leaf)[0] if jnp.ndim(leaf) else None for leaf in jax.tree.leaves(value)}
@@ -383,6 +395,7 @@ def _scan_impl(f, bar, init, xs, length, reverse, unroll, pbar, state_in_axes=No
 def _stacked_length(f, init, xs, state_in_axes) -> int:
   """The loop length a scan over stacked Variables alone takes: their leading axis."""
   disc = discover(f, (init, xs), {})
+  layer_checks.check_rules(disc, state_in_axes)
   for i in _sliced(disc, state_in_axes, 'scan'):
     leaves = jax.tree.leaves(_compat.raw_value(disc.variables[i]))
     if leaves and jnp.ndim(leaves[0]):
@@ -752,7 +765,7 @@ def _fori_impl(body_fun, bar, init_val, lo, hi, pbar):
   step.__wrapped__ = body_fun
   if hi <= lo:
     return init_val
-  return _scan_impl(step, bar, init_val, jnp.arange(lo, hi), None, False, 1, pbar)[0]
+  return _scan_impl(step, bar, init_val, jnp.arange(lo, hi), None, False, 1, pbar, layers_check=False)[0]
 
 
 def _fori_while(lower, upper, body_fun, init_val):

@@ -17,6 +17,7 @@ from flax import nnx
 
 from brainnx._engine.discovery import discover
 from brainnx._engine.eager import run
+from brainnx._engine.filters import stacks_handled_by
 from brainnx._transforms.loops import _Body, _check_callable, _step_example, for_loop, leading_length, scan
 from brainnx._transforms.vmap import vmap
 
@@ -72,7 +73,8 @@ def _map_impl(f, *args):
     raise ValueError('map: no inputs to map over')
   n = leading_length(xs, None, 'map')
   if batch_size is None:
-    return for_loop(f, *xs)
+    with stacks_handled_by(f):  # map slices its inputs, never Variables: a stack read whole is meant
+      return for_loop(f, *xs)
   example = (None, _step_example(xs))
   body = _Body(lambda c, x: (c, f(*x)), example, 'map', discover(f, example, {}))
   written = [i for i in body.written if not isinstance(body.disc.variables[i], nnx.RngState)]
@@ -84,13 +86,18 @@ def _map_impl(f, *args):
     )
   full, rest = divmod(n, batch_size)
   mapped = vmap(f)
+
+  def chunk_step(c, chunk):
+    return c, mapped(*chunk)
+
   outs = []
-  if full:
-    chunks = jax.tree.map(lambda x: x[: full * batch_size].reshape((full, batch_size) + x.shape[1:]), xs)
-    _, ys = scan(lambda c, chunk: (c, mapped(*chunk)), None, chunks)
-    outs.append(jax.tree.map(lambda y: y.reshape((full * batch_size,) + y.shape[2:]), ys))
-  if rest:
-    outs.append(mapped(*jax.tree.map(lambda x: x[full * batch_size :], xs)))
+  with stacks_handled_by(f, chunk_step):  # as above
+    if full:
+      chunks = jax.tree.map(lambda x: x[: full * batch_size].reshape((full, batch_size) + x.shape[1:]), xs)
+      _, ys = scan(chunk_step, None, chunks)
+      outs.append(jax.tree.map(lambda y: y.reshape((full * batch_size,) + y.shape[2:]), ys))
+    if rest:
+      outs.append(mapped(*jax.tree.map(lambda x: x[full * batch_size :], xs)))
   if len(outs) == 1:
     return outs[0]
   return jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *outs)

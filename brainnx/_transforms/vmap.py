@@ -39,13 +39,14 @@ from brainnx._engine.arguments import ArgKind, CallArgs, StaticArgs
 from brainnx._engine.discovery import LIBRARY_DIRS, Discovery, RootKind, discover, is_graph_node, key_name
 from brainnx._engine.eager import run
 from brainnx._engine.errors import BatchAxisError
-from brainnx._engine.filters import AxisRules
+from brainnx._engine.filters import AxisRules, mark_stacked, types_code
 from brainnx._engine.jitted import JitOptions
 from brainnx._engine.outputs import Leaf, New, OutSpec
 from brainnx._engine.rng import advanced_count, split_per_element
 from brainnx._engine.call import Record, StatefulCall
 from brainnx._engine.state import adopt_new, read_values, write_values
 from brainnx._engine.errors import check_callable
+from brainnx._transforms import vmap_checks
 
 __all__ = ['vmap', 'vmap_new_states', 'MappedFunction', 'MapConfig', 'Mapper', 'Policy']
 
@@ -156,12 +157,16 @@ def _axis_at(spec, keys: tuple, where: str):
   for key in keys:
     if spec is None or isinstance(spec, int):
       return spec
+    if isinstance(spec, nnx.StateAxes):
+      break
     if isinstance(spec, (list, tuple)) and isinstance(key, int) and key < len(spec):
       spec = spec[key]
     elif isinstance(spec, dict) and key in spec:
       spec = spec[key]
     else:
       raise ValueError(f'vmap in_axes for {where} has no entry for {key!r}')
+  if isinstance(spec, nnx.StateAxes):
+    raise vmap_checks.state_axes_at(spec, 'vmap out_axes' if where == 'out_axes' else f'vmap in_axes for {where}')
   if spec is not None and (not isinstance(spec, int) or isinstance(spec, bool)):
     raise TypeError(f'vmap in_axes for {where} must give an int or None here, got {spec!r}')
   return spec
@@ -193,6 +198,7 @@ class _Layout:
 def _layout(cfg: MapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs: dict) -> _Layout:
   arg_axes = _positional_axes(cfg.in_axes, len(args))
   values = read_values(disc.variables)
+  vmap_checks.check_rules_reach(cfg.name, cfg.state_in, list(zip(disc.paths, disc.variables)), 'the function reaches')
 
   def in_axis(path, var, root_index):
     hit, axis = cfg.state_in.axis_of(path, var)
@@ -220,13 +226,16 @@ def _layout(cfg: MapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs
         'axis: pass it once, give both arguments the same in_axes, or set its axis with state_in_axes'
       )
 
-  split = []
+  split, presplit = [], []
   for k, c in disc.streams:
     if matched[k]:
       continue
     key = values[k]
     if axes[k] is not None and getattr(key, 'ndim', 0) > 0:
       continue  # a stacked stream coming in through a mapped argument: used as given
+    if getattr(key, 'ndim', 0) > 0:  # several keys, broadcast: refused below, naming the cause
+      presplit.append(k)
+      continue
     split.append((k, c))
     axes[k] = 0
     if not matched[c]:
@@ -243,7 +252,8 @@ def _layout(cfg: MapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs
       if norm is None:
         raise ValueError(
           f'{cfg.name}: {disc.describe(i)} is mapped on axis {axis} ({sources[i]}) but its value '
-          f'has shape {tuple(shape)}: map it on an axis it has, or broadcast it with state_in_axes={{None: ...}}'
+          f'has shape {tuple(shape)}: map it on an axis it has, or broadcast it with '
+          f'state_in_axes={{None: {types_code([disc.variables[i]])}}}'
         )
       axes[i] = norm
       sizes.append((shape[norm], disc.describe(i)))
@@ -302,6 +312,7 @@ def _layout(cfg: MapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs
         'batch axis. Pass in_axes=None for it to broadcast it, or map only some Variables with state_in_axes'
       )
     raise ValueError(f'{cfg.name}: inconsistent batch sizes {distinct} ({listing}){hint}')
+  vmap_checks.check_stacked_broadcast(cfg, disc, axes, matched, distinct[0], presplit)
   return _Layout(axes, split, tuple(dyn_axes), distinct[0])
 
 
@@ -315,7 +326,7 @@ def _decide(cfg: MapConfig, disc: Discovery, i: int, in_axis, batched: bool):
         raise BatchAxisError(
           f'{cfg.name}: {disc.describe(i)} is declared state_out_axes=None (one value for the '
           'whole batch) but its new value differs per batch element: declare a batch axis for it, '
-          'e.g. state_out_axes={0: <its filter>}'
+          f'e.g. state_out_axes={{0: {types_code([var])}}}'
         )
       return ONCE
     return out_axis
@@ -333,13 +344,13 @@ def _decide(cfg: MapConfig, disc: Discovery, i: int, in_axis, batched: bool):
     )
   if cfg.policy is Policy.RAISE:
     raise BatchAxisError(
-      f'{what}. Say where the batch axis goes: state_out_axes={{0: <its filter>}} (or map it in '
+      f'{what}. Say where the batch axis goes: state_out_axes={{0: {types_code([var])}}} (or map it in '
       "with state_in_axes), or pass unexpected_out_state_mapping='warn' or 'ignore' to stack it "
       f'on axis 0{hint}'
     )
   if cfg.policy is Policy.WARN:
     warnings.warn(
-      f'{what}: it is stacked on axis 0. Declare state_out_axes={{0: <its filter>}} to say so '
+      f'{what}: it is stacked on axis 0. Declare state_out_axes={{0: {types_code([var])}}} to say so '
       f'and silence this warning{hint}',
       UserWarning,
       stacklevel=_user_stacklevel(),
@@ -445,6 +456,7 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
   stateful = StatefulCall.enter(cfg.fn, args, kwargs, name=cfg.name, statics=cfg.statics, creates='keep')
   disc, values = stateful.disc, stateful.values
   layout = _layout(cfg, disc, stateful.call, args, kwargs)
+  size = layout.size
   dyn_in = stateful.call.dyn
   # jax caches pmapped functions by identity, keeping ``body`` alive: it must not hold tracers
   stateful.call = dataclasses.replace(stateful.call, dyn=())
@@ -497,8 +509,13 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
       run_mapped = _pmap_of(cfg, layout, body)
     else:
       run_mapped = _vmap_of(cfg, layout, body)
-    written_vals, new_vals, out_leaves = run_mapped(state_in, dyn_in)
+    try:
+      written_vals, new_vals, out_leaves = run_mapped(state_in, dyn_in)
+    except ValueError as e:
+      vmap_checks.raise_clearer(cfg.name, e)
+      raise
     decided = decisions.get()
+    _check_out_rules(cfg, disc, decided)
     written_now = [_place(v, a, empty) for v, a in zip(written_vals, decided.placement)]
     new_now = [_place(v, a, empty) for v, a in zip(new_vals, decided.new_placement)]
     leaves = [_place(x, ONCE if a is None else a, empty) for x, a in zip(out_leaves, decided.out_axes)]
@@ -510,7 +527,28 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
     for v, axis in zip(new_vars, decided.new_placement):
       if axis is not ONCE:
         v.set_metadata(tag=cfg.state_tag)
-  return decided.out_spec.rebuild(leaves, disc)
+  result = decided.out_spec.rebuild(leaves, disc)
+  _mark_stacked(cfg, decided, result, size)
+  return result
+
+
+def _check_out_rules(cfg: MapConfig, disc: Discovery, decided: '_Decisions') -> None:
+  """Every ``state_out_axes`` entry must match a Variable reached, created or returned."""
+  named = list(zip(disc.paths, disc.variables)) + [((), v) for v in decided.new_vars]
+  for slot in decided.out_spec.new_nodes():
+    named.extend(slot.leaf_vars)
+  vmap_checks.check_rules_reach(cfg.name, cfg.state_out, named, 'the function reaches or creates')
+
+
+def _mark_stacked(cfg: MapConfig, decided: '_Decisions', result, size: int) -> None:
+  """Record the batch axis on every Variable this call built stacked: those of Modules created
+  inside and returned, and those created inside that come out batched (``vmap_new_states``)."""
+  vmap_checks.mark_results(decided.out_spec, result, decided.out_axes, size)
+  if not cfg.new_states:  # a sown Intermediate under plain vmap stays as flax would give it
+    return
+  for v, axis in zip(decided.new_vars, decided.new_placement):
+    if axis is not ONCE:
+      mark_stacked(v, axis, size)
 
 
 def _new_var_axis(cfg: MapConfig, variable, batched: bool):
@@ -564,10 +602,12 @@ def _pmap_of(cfg: MapConfig, layout: _Layout, body):
 
 
 def map_config(*, state_in_axes, state_out_axes, unexpected_out_state_mapping, **fields) -> MapConfig:
-  """A ``MapConfig`` from a mapping transform's public keywords (rules and policy normalised)."""
+  """A ``MapConfig`` from a mapping transform's public keywords (rules and policy normalised;
+  an ``nnx.StateAxes`` in ``in_axes`` becomes the ``state_in_axes`` entries it means)."""
+  fields['in_axes'], from_in_axes = vmap_checks.split_state_axes(fields.get('in_axes', 0))
   return MapConfig(
     fn=None,
-    state_in=AxisRules(state_in_axes, 'state_in_axes'),
+    state_in=from_in_axes + AxisRules(state_in_axes, 'state_in_axes'),
     state_out=AxisRules(state_out_axes, 'state_out_axes'),
     policy=Policy.of(unexpected_out_state_mapping),
     **fields,

@@ -1,0 +1,254 @@
+"""docs/migration.md: both sides of every row run, and agree where the page says they do; flax's
+words (nnx.StateAxes, swapped keys, nnx.split_rngs, an integer Param under grad) get answers in
+code. Oracles: flax.nnx's own transforms, and Python loops over members."""
+
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import brainnx as bnx
+from helpers import assert_same_values, values_of
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAGE = (ROOT / 'docs' / 'migration.md').read_text()
+ROWS = ['vmap-stateaxes', 'split-rngs', 'scan-carry', 'scan-layers', 'broadcast-stream', 'cached-partial']
+
+
+def _blocks() -> dict:
+  found = {}
+  for block in re.findall(r'```python\n(.*?)```', PAGE, flags=re.S):
+    head = re.match(r'# (flax|brainnx): ([\w-]+)\n', block)
+    assert head, f'a block of docs/migration.md does not name its side and row: {block[:60]!r}'
+    found[head.group(2), head.group(1)] = block
+  return found
+
+
+BLOCKS = _blocks()
+
+
+def _run(row: str, side: str) -> dict:
+  namespace = {'__name__': f'migration_{row}_{side}'.replace('-', '_')}
+  exec(compile(BLOCKS[row, side], f'docs/migration.md [{side}: {row}]', 'exec'), namespace)
+  return namespace
+
+
+def test_every_row_has_both_sides_and_the_page_is_in_the_toctree():
+  assert sorted({row for row, _ in BLOCKS}) == sorted(ROWS)
+  assert all((row, side) in BLOCKS for row in ROWS for side in ('flax', 'brainnx'))
+  index = (ROOT / 'docs' / 'index.md').read_text()
+  assert re.search(r'```\{toctree\}.*\nmigration\n.*```', index, flags=re.S)
+  assert 'restarts each\nmember\'s count at 0' in PAGE or "restarts each member's count at 0" in PAGE.replace('\n', ' ')
+
+
+def test_vmap_with_state_axes():
+  flax, ours = _run('vmap-stateaxes', 'flax'), _run('vmap-stateaxes', 'brainnx')
+  np.testing.assert_allclose(ours['model'].lin.kernel[...], flax['model'].lin.kernel[...], rtol=1e-6)
+  assert ours['model'].temperature.shape == flax['model'].temperature.shape == ()
+  np.testing.assert_allclose(ours['out'], flax['out'], rtol=1e-6)
+  np.testing.assert_allclose(ours['same'], flax['out'], rtol=1e-6)
+
+
+def test_split_rngs_on_a_fresh_stream():
+  flax, ours = _run('split-rngs', 'flax'), _run('split-rngs', 'brainnx')
+  np.testing.assert_allclose(ours['model'].kernel[...], flax['model'].kernel[...], rtol=1e-6)
+  assert int(ours['rngs'].default.count[...]) == int(flax['rngs'].default.count[...]) == 1
+
+
+def test_split_rngs_restarts_counts_where_brainnx_keeps_the_streams():
+  """The page's sentence, against its formula: member i draws from split(fold_in(key, c))[i]
+  with count 0 (flax) or count c (brainnx)."""
+  def member(c, i, count):
+    r = nnx.Rngs(jax.random.split(jax.random.fold_in(jax.random.key(0), c), 4)[i])
+    r.default.count[...] = count
+    return nnx.Linear(3, 2, rngs=r).kernel[...]
+
+  ours_rngs, flax_rngs = nnx.Rngs(0), nnx.Rngs(0)
+  ours_rngs(), ours_rngs(), flax_rngs(), flax_rngs()   # count 2
+  ours = bnx.vmap(lambda: nnx.Linear(3, 2, rngs=ours_rngs), axis_size=4)()
+  flax = nnx.split_rngs(splits=4)(nnx.vmap(lambda r: nnx.Linear(3, 2, rngs=r), in_axes=0))(flax_rngs)
+  for i in range(4):
+    np.testing.assert_allclose(ours.kernel[i], member(2, i, 2), rtol=1e-6)
+    np.testing.assert_allclose(flax.kernel[i], member(2, i, 0), rtol=1e-6)
+  assert not np.allclose(ours.kernel[...], flax.kernel[...])
+
+
+def test_scan_with_carry():
+  flax, ours = _run('scan-carry', 'flax'), _run('scan-carry', 'brainnx')
+  np.testing.assert_allclose(ours['ys'], flax['ys'], rtol=1e-6)
+  np.testing.assert_allclose(ours['h'], flax['h'], rtol=1e-6)
+  assert int(ours['cell'].calls[...]) == int(flax['cell'].calls[...]) == 5
+
+
+def test_scan_over_layers():
+  flax, ours = _run('scan-layers', 'flax'), _run('scan-layers', 'brainnx')
+  np.testing.assert_allclose(ours['stack'].kernel[...], flax['stack'].kernel[...], rtol=1e-6)
+  np.testing.assert_allclose(ours['h'], flax['h'], rtol=1e-5)
+  h = np.ones(3)
+  for i in range(4):  # a Python loop over the layers
+    h = np.tanh(h @ np.asarray(ours['stack'].kernel[i]) + np.asarray(ours['stack'].bias[i]))
+  np.testing.assert_allclose(ours['h'], h, rtol=1e-5)
+
+
+def test_broadcast_stream():
+  flax, ours = _run('broadcast-stream', 'flax'), _run('broadcast-stream', 'brainnx')
+  for masks in (flax['masks'], ours['masks']):
+    assert masks.shape == (4, 6) and (np.asarray(masks) == np.asarray(masks[0])).all()
+    assert 0 < int((np.asarray(masks[0]) == 0).sum()) < 6
+  assert int(ours['rngs'].dropout.count[...]) == int(flax['rngs'].dropout.count[...]) == 1
+  # flax's broadcast copies, mapped by brainnx, give flax's masks exactly
+  rngs = nnx.Rngs(params=0, dropout=1)
+  shared = nnx.with_rngs(rngs, broadcast=4, graph=False)
+  drop, x = nnx.Dropout(0.5), jnp.ones(6)
+  np.testing.assert_array_equal(bnx.vmap(lambda r: drop(x, rngs=r), in_axes=0)(shared), flax['masks'])
+
+
+def test_cached_partial():
+  flax, ours = _run('cached-partial', 'flax'), _run('cached-partial', 'brainnx')
+  np.testing.assert_allclose(ours['losses'], flax['losses'], rtol=1e-5)
+  np.testing.assert_allclose(ours['model'].kernel[...], flax['model'].kernel[...], rtol=1e-5)
+
+
+# -- nnx.StateAxes: read as the state_in_axes it means ------------------------------------
+
+
+class Net(nnx.Module):
+  def __init__(self, rngs):
+    self.lin = nnx.Linear(3, 2, rngs=rngs)
+    self.stat = nnx.BatchStat(jnp.full((2,), 0.5))
+
+  def __call__(self, x):
+    return self.lin(x) * self.stat[...]
+
+
+def _net():
+  keys = jax.random.split(jax.random.key(3), 4)
+  axes = nnx.StateAxes({nnx.Param: 0, ...: None})
+  return nnx.vmap(lambda k: Net(nnx.Rngs(k)), in_axes=0, out_axes=axes)(keys), axes
+
+
+X = jnp.asarray(np.random.default_rng(0).normal(size=(5, 3)), jnp.float32)
+
+
+def test_state_axes_in_in_axes_and_as_state_in_axes_equal_nnx_vmap():
+  model, axes = _net()
+  want = nnx.vmap(lambda m, x: m(x), in_axes=(axes, None))(model, X)
+  np.testing.assert_allclose(bnx.vmap(lambda m, x: m(x), in_axes=(axes, None))(model, X), want, rtol=1e-6)
+  np.testing.assert_allclose(bnx.vmap(lambda m: m(X), in_axes=axes)(model), want, rtol=1e-6)
+  np.testing.assert_allclose(bnx.vmap(lambda x: model(x), in_axes=None, state_in_axes=axes)(X), want, rtol=1e-6)
+  # a StateAxes mapping the data argument's axis too
+  xs = jnp.stack([X] * 4) * jnp.arange(1.0, 5.0)[:, None, None]
+  want = nnx.vmap(lambda m, x: m(x), in_axes=(nnx.StateAxes({nnx.BatchStat: None, ...: 0}), 0))(model, xs)
+  got = bnx.vmap(lambda m, x: m(x), in_axes=(nnx.StateAxes({nnx.BatchStat: None, ...: 0}), 0))(model, xs)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_state_axes_in_in_axes_applies_to_its_argument_only():
+  model, axes = _net()
+  other = nnx.Param(jnp.arange(4.0))  # a closure Param the StateAxes of argument 0 does not see
+  got = bnx.vmap(lambda m, x: m(x).sum() * other[...], in_axes=(axes, None))(model, X)
+  sums = np.stack([np.asarray(X @ model.lin.kernel[i] + model.lin.bias[i]) * 0.5 for i in range(4)]).sum((1, 2))
+  np.testing.assert_allclose(got, sums[:, None] * np.arange(4.0)[None, :], rtol=1e-5)  # other broadcast
+
+
+def test_a_state_axes_entry_matching_nothing_is_named():
+  model, _ = _net()
+  with pytest.raises(ValueError, match=r"in_axes\[0\] nnx.StateAxes entry \{nnx\.Intermediate: 0\} matches none"):
+    bnx.vmap(lambda m, x: m(x), in_axes=(nnx.StateAxes({nnx.Intermediate: 0, ...: None}), None))(model, X)
+
+
+def test_swapped_keys_are_answered_with_the_rewrite():
+  model, _ = _net()
+  with pytest.raises(TypeError, match=r"did you mean state_in_axes=\{0: nnx\.Param\}\?"):
+    bnx.vmap(lambda x: model(x), in_axes=None, state_in_axes={nnx.Param: 0})
+  with pytest.raises(TypeError, match=r"did you mean state_in_axes=\{0: nnx\.Param, None: \.\.\.\}\? .*nnx\.StateAxes\(\{nnx\.Param: 0, \.\.\.: None\}\)"):
+    bnx.vmap(lambda x: model(x), in_axes=None, state_in_axes={nnx.Param: 0, ...: None})
+
+
+def test_state_axes_where_brainnx_cannot_read_it_gives_the_rewrite():
+  model, axes = _net()
+  rngs = nnx.Rngs(0)
+  with pytest.raises(TypeError, match=r"write out_axes=0, state_out_axes=\{0: nnx\.Param, None: \.\.\.\}"):
+    bnx.vmap(lambda: Net(rngs), axis_size=2, out_axes=axes)()
+  with pytest.raises(TypeError, match=r"state_in_axes=\{0: nnx\.Param, None: \.\.\.\}"):
+    bnx.vmap(lambda d, x: d['m'](x), in_axes=({'m': axes}, None))({'m': model}, X)
+
+
+# -- nnx.split_rngs, explained --------------------------------------------------------------
+
+
+def test_split_rngs_inside_the_mapped_function_is_explained():
+  rngs = nnx.Rngs(0)
+  before = values_of(rngs)
+
+  def make():
+    return nnx.split_rngs(splits=4)(lambda r: nnx.Linear(2, 3, rngs=r))(rngs)
+
+  with pytest.raises(ValueError, match=r"nnx\.split_rngs was applied inside the mapped function.*remove nnx\.split_rngs"):
+    bnx.vmap(make, axis_size=4)()
+  assert_same_values(before, values_of(rngs))
+  made = bnx.vmap(lambda: nnx.Linear(2, 3, rngs=rngs), axis_size=4)()  # the fix
+  assert made.kernel.shape == (4, 2, 3)
+
+
+def test_a_split_stream_broadcast_into_vmap_is_refused_with_the_way_to_map_it():
+  rngs = nnx.Rngs(0)
+
+  @nnx.split_rngs(splits=4)
+  @bnx.vmap(in_axes=None, axis_size=4)
+  def make(rngs):
+    return nnx.Linear(2, 3, rngs=rngs)
+
+  with pytest.raises(bnx.BatchAxisError, match=r"RngKey at \(0, 'default', 'key'\) holds 4 keys.*drop nnx\.split_rngs.*state_in_axes=\{0: nnx\.RngState\}"):
+    make(rngs)
+  # the stream mapped as the message says: the members are flax's
+  ours = nnx.split_rngs(splits=4)(bnx.vmap(lambda r: nnx.Linear(2, 3, rngs=r), in_axes=None, axis_size=4, state_in_axes={0: nnx.RngState}))(nnx.Rngs(0))
+  flax = nnx.split_rngs(splits=4)(nnx.vmap(lambda r: nnx.Linear(2, 3, rngs=r), in_axes=0))(nnx.Rngs(0))
+  np.testing.assert_allclose(ours.kernel[...], flax.kernel[...], rtol=1e-6)
+
+
+# -- hints in code, never placeholders --------------------------------------------------------
+
+
+def test_an_integer_param_under_grad_is_told_what_to_do_instead():
+  class Counted(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(jnp.ones(2))
+      self.step = nnx.Param(jnp.array(0))
+
+    def __call__(self, x):
+      return (self.w[...] * x).sum()
+
+  model = Counted()
+  with pytest.raises(TypeError, match=r"Param at \('model', 'step'\) \(dtype int32\).*selects it too.*grad_states=nnx\.All\(nnx\.Param, nnx\.Not\(nnx\.PathContains\('step'\)\)\)"):
+    bnx.grad(lambda x: model(x), grad_states=nnx.Param)(jnp.ones(2))
+  grads = bnx.grad(lambda x: model(x), grad_states=nnx.All(nnx.Param, nnx.Not(nnx.PathContains('step'))))(jnp.arange(2.0))
+  np.testing.assert_array_equal(grads['model']['w'][...], jnp.arange(2.0))  # d/dw of w . x is x
+
+
+def test_axis_hints_name_a_real_filter():
+  v = nnx.Param(jnp.ones(3))
+  with pytest.raises(ValueError, match=r"broadcast it with state_in_axes=\{None: nnx\.Param\}"):
+    bnx.vmap(lambda x: x * v[...], state_in_axes={1: nnx.Param})(jnp.ones((3, 3)))
+  s = nnx.BatchStat(jnp.zeros(()))
+
+  def write(x):
+    s[...] = x.sum()
+    return x
+
+  with pytest.raises(bnx.BatchAxisError, match=r"state_out_axes=\{0: nnx\.BatchStat\}"):
+    bnx.vmap(write)(jnp.ones((3, 2)))
+  with pytest.raises(bnx.BatchAxisError, match=r"e\.g\. state_out_axes=\{0: nnx\.BatchStat\}"):
+    bnx.vmap(write, state_out_axes={None: nnx.BatchStat})(jnp.ones((3, 2)))
+
+
+def test_no_message_in_the_package_uses_a_placeholder_filter():
+  for path in (ROOT / 'brainnx').rglob('*.py'):
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+      if '>>>' in line:
+        continue
+      assert '<its filter>' not in line and '{{None: ...}}' not in line, f'{path.name}:{n}: {line.strip()}'
