@@ -85,6 +85,9 @@ def _split_pbar(pbar) -> tuple:
   return (pbar, None) if isinstance(pbar, ProgressBar) else (None, pbar)
 
 
+_BRANCHING = ('cond', 'switch', 'ifelse')  # constructs whose _Body is a branch, not a loop body
+
+
 class _Body:
   """``f(*args)`` traced as a pure function of carried and constant values.
 
@@ -110,6 +113,11 @@ class _Body:
       avals[i] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype, weak_type=a.weak_type), avals[i])
     self.trace = self.last_trace = self._trace_for(avals, abstract_args(self.call.dyn))
     if (self.trace.new_vars and not keep_new) or any(s[0] == 'new' for s in self.trace.out_spec.slots):
+      if name in _BRANCHING:
+        raise ValueError(
+          f'{name}: a branch creates Variables or Modules; create them before calling {name} '
+          '(or use brainnx.vmap_new_states outside it) and only update them inside'
+        )
       raise ValueError(
         f'{name}: the loop body creates Variables or Modules; create them before the loop '
         '(or use brainnx.vmap_new_states outside it) and only update them inside'
@@ -160,26 +168,27 @@ class _Body:
     return trace.run([values[i] for i in trace.states], dyn_leaves)[2]
 
   def _keep_type(self, new, old, i):
+    inside, kept = ('inside a branch', 'Variables a branch writes') if self.name in _BRANCHING else (
+      'inside the loop', 'loop-carried Variables')
     if jax.tree.structure(new) != jax.tree.structure(old):
       raise ValueError(
-        f'{self.name}: {self.disc.describe(i)} changes its value\'s structure inside the loop, '
+        f'{self.name}: {self.disc.describe(i)} changes its value\'s structure {inside}, '
         f'from {jax.tree.structure(old)} to {jax.tree.structure(new)} (e.g. Module.sow appending '
-        'per step); loop-carried Variables must keep it: return per-step values as the loop\'s '
-        'outputs instead, or sow outside the loop'
+        f'per step); {kept} must keep it: return per-step values as outputs instead, or sow outside'
       )
 
     def one(n, o):
       if jnp.shape(n) != jnp.shape(o):
         raise ValueError(
-          f'{self.name}: {self.disc.describe(i)} changes shape inside the loop, '
-          f'from {jnp.shape(o)} to {jnp.shape(n)}; loop-carried Variables must keep their shape'
+          f'{self.name}: {self.disc.describe(i)} changes shape {inside}, '
+          f'from {jnp.shape(o)} to {jnp.shape(n)}; {kept} must keep their shape'
         )
       if _is_key(n):
         return n
       if jnp.result_type(n) != jnp.result_type(o) and not jax.typeof(n).weak_type:
         raise ValueError(
-          f'{self.name}: {self.disc.describe(i)} changes dtype inside the loop, from '
-          f'{jnp.result_type(o)} to {jnp.result_type(n)}; loop-carried Variables must keep their '
+          f'{self.name}: {self.disc.describe(i)} changes dtype {inside}, from '
+          f'{jnp.result_type(o)} to {jnp.result_type(n)}; {kept} must keep their '
           'dtype: cast the new value back, e.g. `v[...] = new.astype(v.dtype)`'
         )
       return jax.lax.convert_element_type(n, jnp.result_type(o))
