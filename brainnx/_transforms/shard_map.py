@@ -76,7 +76,7 @@ def shard_map(
     A function with ``f``'s signature returning the global output.
 
   Raises:
-    TypeError: if ``f`` is not callable, a state spec dict is malformed, or a dynamic
+    TypeError: if ``f`` is not callable, ``mesh`` is not a Mesh, a state spec dict is malformed, or a dynamic
       argument is passed by keyword.
     ValueError: if no mesh is given or set, a spec does not divide a Variable's shape (naming
       the Variable), ``in_specs`` has the wrong length or gives a graph node a spec, or ``f``
@@ -91,6 +91,8 @@ def shard_map(
     [1.0, 1.0]
   """
   check_callable(f, 'shard_map')
+  if mesh is not None and not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+    raise TypeError(f'shard_map: mesh must be a jax.sharding.Mesh (or None for the mesh set with jax.set_mesh), got {mesh!r}')
   config = (
     mesh, _hashable(in_specs), _hashable(out_specs),
     Rules.parse(state_in_specs, 'state_in_specs'), Rules.parse(state_out_specs, 'state_out_specs'),
