@@ -62,3 +62,94 @@ def test_vjp_and_jvp_match_jax():
   assert int(calls[...]) == 3
   with pytest.raises(TypeError, match='callable'):
     bnx.jacrev(3)
+
+
+# -- structured outputs, argnums and arguments as JAX takes them ----------------------
+
+
+@pytest.mark.parametrize('name', ['jacrev', 'jacfwd'])
+def test_jacobian_of_a_tuple_output_has_the_output_structure_like_jax(name):
+  f = lambda x: (x, 2 * x)  # noqa: E731
+  out = getattr(bnx, name)(f)(X)
+  ref = getattr(jax, name)(f)(X)
+  assert jax.tree.structure(out) == jax.tree.structure(ref)
+  jax.tree.map(np.testing.assert_allclose, out, ref)
+
+
+@pytest.mark.parametrize('name', ['jacrev', 'jacfwd'])
+def test_jacobian_of_a_dict_output_with_two_argnums_is_not_unpacked_as_state_and_args(name):
+  f = lambda x, y: {'a': x * y, 'b': jnp.tanh(x)}  # noqa: E731
+  out = getattr(bnx, name)(f, argnums=(0, 1))(X, 2 * X)
+  ref = getattr(jax, name)(f, argnums=(0, 1))(X, 2 * X)
+  assert jax.tree.structure(out) == jax.tree.structure(ref)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), out, ref)
+
+
+@pytest.mark.parametrize('name', ['jacrev', 'jacfwd'])
+def test_jacobian_with_grad_states_and_a_tuple_output_matches_jax_per_output(name):
+  w, calls, _ = _setup()
+  out = getattr(bnx, name)(lambda x: (w[...] @ x, jnp.sum(w[...]) * x), grad_states=w, argnums=0)(X)
+  ref = getattr(jax, name)(lambda w, x: (w @ x, jnp.sum(w) * x), argnums=(0, 1))(W0, X)
+  assert isinstance(out, tuple) and len(out) == 2
+  for (state_jac, arg_jac), (ref_w, ref_x) in zip(out, ref):
+    np.testing.assert_allclose(state_jac, ref_w)
+    np.testing.assert_allclose(arg_jac, ref_x)
+
+
+def test_jvp_primals_and_tangents_must_be_tuples_or_lists_like_jax():
+  f = lambda *a: sum(a)  # noqa: E731
+  with pytest.raises(TypeError, match='must be tuples or lists'):
+    jax.jvp(f, jnp.ones(2), jnp.ones(2))
+  with pytest.raises(TypeError, match='jvp: primals and tangents must be tuples or lists'):
+    bnx.jvp(f, jnp.ones(2), jnp.ones(2))
+  with pytest.raises(TypeError, match='got tuple and ArrayImpl'):
+    bnx.jvp(f, (jnp.ones(2),), jnp.ones(2))
+  out, ref = bnx.jvp(f, [jnp.ones(2)], [2 * jnp.ones(2)]), jax.jvp(f, [jnp.ones(2)], [2 * jnp.ones(2)])
+  jax.tree.map(np.testing.assert_allclose, out, ref)
+
+
+def test_vjp_negative_argnums_count_from_the_right_like_jax():
+  f = lambda x, y: jnp.sum(10 * x + 100 * y ** 2)  # noqa: E731
+  x, y = jnp.ones(2), jnp.arange(2.0)
+  _, pull = bnx.vjp(f, x, y, argnums=(-1, 0))
+  ref_y, ref_x = jax.grad(f, argnums=(-1, 0))(x, y)
+  g_y, g_x = pull(1.0)
+  np.testing.assert_allclose(g_y, ref_y)
+  np.testing.assert_allclose(g_x, ref_x)
+  _, pull = bnx.vjp(f, x, y, argnums=-2)
+  np.testing.assert_allclose(pull(1.0), jax.grad(f, argnums=-2)(x, y))
+
+
+def test_vjp_repeated_or_out_of_range_argnums_are_value_errors():
+  f = lambda x, y: jnp.sum(10 * x + 100 * y)  # noqa: E731
+  with pytest.raises(ValueError, match=r'vjp: argnums=\(0, -2\) names argument\(s\) \[0\] more than once'):
+    bnx.vjp(f, jnp.ones(2), jnp.ones(2), argnums=(0, -2))
+  with pytest.raises(ValueError, match='vjp: argnums=.* more than once'):
+    bnx.vjp(f, jnp.ones(2), jnp.ones(2), argnums=(1, 1))
+  with pytest.raises(ValueError, match='must have value greater than or equal to -len'):  # the oracle
+    jax.grad(lambda x: jnp.sum(x), argnums=-3)(jnp.ones(2))
+  with pytest.raises(ValueError, match=r'vjp: argnums=-3 is out of range: the function got 1 positional'):
+    bnx.vjp(lambda x: jnp.sum(x), jnp.ones(2), argnums=-3)
+
+
+@pytest.mark.parametrize('name', ['grad', 'value_and_grad', 'jacrev', 'jacfwd', 'hessian', 'vjp'])
+@pytest.mark.parametrize('argnums', ['0', 1.0, True, (0, 'x'), None.__class__])
+def test_argnums_of_the_wrong_type_are_type_errors_naming_argnums(name, argnums):
+  f = lambda x: jnp.sum(x ** 2)  # noqa: E731
+  with pytest.raises(TypeError, match=f'{name}: argnums must be an int or a sequence of ints'):
+    if name == 'vjp':
+      bnx.vjp(f, jnp.ones(2), argnums=argnums)
+    else:
+      getattr(bnx, name)(f, argnums=argnums)
+
+
+@pytest.mark.parametrize('name', ['jacrev', 'jacfwd', 'hessian', 'value_and_grad'])
+def test_derivative_errors_name_the_transform_called(name):
+  w = nnx.Variable(jnp.array([1, 2]))
+  f = lambda x: jnp.sum(w[...] * x)  # noqa: E731
+  with pytest.raises(TypeError, match=f'^{name}: cannot differentiate with respect to'):
+    getattr(bnx, name)(f, grad_states=w)(jnp.ones(2))
+  with pytest.raises(ValueError, match=f'^{name}: argnums=3 is out of range'):
+    getattr(bnx, name)(lambda x: jnp.sum(x ** 2), argnums=3)(jnp.ones(2))
+  with pytest.raises(ValueError, match=f'^{name}: grad_states=.* matches none'):
+    getattr(bnx, name)(lambda x: jnp.sum(x ** 2), grad_states=nnx.BatchStat)(jnp.ones(2))

@@ -136,8 +136,10 @@ def test_cond_inside_scan_carries_the_written_state():
 def test_mismatched_branches_and_errors_leave_state_exact():
   c = Counter()
   before = values_of(c)
-  with pytest.raises(ValueError, match='branch 1 returns'):
+  with pytest.raises(ValueError, match='cond: true_fun returns .* but false_fun returns'):
     bnx.cond(True, lambda: jnp.zeros(2), lambda: jnp.zeros(3))
+  with pytest.raises(ValueError, match='branch 1 returns'):
+    bnx.switch(0, [lambda: jnp.zeros(2), lambda: jnp.zeros(3)])
   with pytest.raises(TypeError, match='branch 1 is not callable'):
     bnx.switch(0, [lambda: 1.0, 'nope'])
 
@@ -149,3 +151,114 @@ def test_mismatched_branches_and_errors_leave_state_exact():
     bnx.cond(True, boom, lambda: None)
   assert_same_values(before, values_of(c))
   assert float(bnx.cond(True, lambda: c.total[...].sum() + 1, lambda: 0.0)) == 1.0  # next call works
+
+
+# -- predicates and indices, as jax.lax.cond / jax.lax.switch take them --------------
+
+NUMBER_PREDICATES = [-1, 0, 2, 0.5, -0.0, 0.0, float('nan'), True, False, np.int8(3), np.uint8(0), jnp.float32(-2.5)]
+
+
+def _lax_cond_of(p, c):
+  """jax.lax.cond on the pure state of a Counter: (out, new total)."""
+  return jax.lax.cond(p, lambda t: (jnp.float32(1.0), t + 1.0), lambda t: (jnp.float32(0.0), t), c.total[...])
+
+
+def _bnx_cond_of(p, c):
+  def hit():
+    c.total[...] += 1.0
+    return jnp.float32(1.0)
+
+  return bnx.cond(p, hit, lambda: jnp.float32(0.0))
+
+
+@pytest.mark.parametrize('pred', NUMBER_PREDICATES, ids=repr)
+def test_cond_takes_any_nonzero_number_as_true_like_lax_cond(pred):
+  c = Counter()
+  oracle_out, oracle_total = _lax_cond_of(pred, c)
+  assert float(_bnx_cond_of(pred, c)) == float(oracle_out)
+  np.testing.assert_array_equal(c.total[...], oracle_total)
+
+
+def test_cond_number_predicates_under_jit_match_lax_cond_under_jax_jit():
+  c = Counter()
+  f = bnx.jit(lambda p: _bnx_cond_of(p, c))
+  for pred in (-1, 0, 3, 0.5, 0.0, -2.0):
+    oracle_out, oracle_total = jax.jit(lambda p: _lax_cond_of(p, c))(pred)
+    assert float(f(pred)) == float(oracle_out), pred
+    np.testing.assert_array_equal(c.total[...], oracle_total)
+
+
+@pytest.mark.parametrize('preds', [jnp.array([-1, 0, 2, 7]), jnp.array([0.5, 0.0, -3.0, -0.0])], ids=['int', 'float'])
+def test_batched_number_predicates_under_vmap_match_jax_vmap_of_lax_cond(preds):
+  oracle = jax.vmap(lambda p: jax.lax.cond(p, lambda x: x + 1.0, lambda x: x * 0.0, jnp.float32(2.0)))(preds)
+  out = bnx.vmap(lambda p: bnx.cond(p, lambda x: x + 1.0, lambda x: x * 0.0, jnp.float32(2.0)))(preds)
+  np.testing.assert_array_equal(out, oracle)
+
+
+@pytest.mark.parametrize(
+  'pred, match',
+  [
+    (None, 'predicate `pred` must be a boolean or number scalar, got None'),
+    ('yes', "predicate `pred` must be a boolean or number scalar, got 'yes'"),
+    (1 + 2j, 'predicate `pred` must be a boolean or real number scalar, got dtype complex'),
+    (jnp.array([True, False]), r'predicate `pred` must be a boolean or number scalar, got a value of shape \(2,\)'),
+    ([True], r'predicate `pred` .* shape \(1,\)'),
+  ],
+  ids=['none', 'str', 'complex', 'vector', 'list'],
+)
+def test_cond_refuses_what_lax_cond_refuses_with_a_type_error_naming_the_predicate(pred, match):
+  with pytest.raises(TypeError):  # the oracle: jax.lax.cond refuses it too
+    jax.lax.cond(pred, lambda: 1.0, lambda: 0.0)
+  c = Counter()
+  before = values_of(c)
+  with pytest.raises(TypeError, match=match):
+    _bnx_cond_of(pred, c)
+  assert_same_values(before, values_of(c))
+
+
+@pytest.mark.parametrize('index', ['1', 1.5, True, None, 1j, jnp.array([1])], ids=repr)
+def test_switch_refuses_what_lax_switch_refuses_naming_the_index(index):
+  branches = [lambda: 0.0, lambda: 1.0]
+  with pytest.raises(TypeError):  # the oracle
+    jax.lax.switch(index, branches)
+  with pytest.raises(TypeError, match='switch: `index` must be an integer scalar'):
+    bnx.switch(index, branches)
+
+
+def test_ifelse_conditions_must_be_boolean_scalars():
+  branches = [lambda: 0.0, lambda: 1.0]
+  # a vector condition: lax.cond refuses a non-scalar predicate in the same way
+  with pytest.raises(TypeError, match='Pred must be a scalar'):
+    jax.lax.cond(jnp.array([False, True]), *branches)
+  with pytest.raises(TypeError, match=r'ifelse: condition 0 must be a boolean scalar, got a value of shape \(2,\)'):
+    bnx.ifelse([jnp.array([False, True]), jnp.array([True, True])], branches)
+  with pytest.raises(TypeError, match='ifelse: condition 1 must be a boolean scalar, got dtype int32'):
+    bnx.ifelse([False, jnp.int32(1)], branches)
+  with pytest.raises(TypeError, match='ifelse: condition 0 must be a boolean scalar, got None'):
+    bnx.ifelse([None, True], branches)
+
+
+def test_ifelse_batched_boolean_conditions_match_a_nested_lax_cond_under_vmap():
+  xs = jnp.array([-2.0, 0.0, 3.0])
+
+  def oracle(x):
+    return jax.lax.cond(x < 0, lambda: -1.0, lambda: jax.lax.cond(x == 0, lambda: 0.0, lambda: 1.0))
+
+  out = bnx.vmap(lambda x: bnx.ifelse([x < 0, x == 0, True], [lambda: -1.0, lambda: 0.0, lambda: 1.0]))(xs)
+  np.testing.assert_array_equal(out, jax.vmap(oracle)(xs))
+
+
+def test_branch_errors_speak_of_branches_not_loops():
+  v = nnx.Variable(jnp.zeros(2))
+  with pytest.raises(ValueError, match='cond: a branch creates Variables') as info:
+    bnx.cond(True, lambda: nnx.Variable(jnp.ones(1)), lambda: nnx.Variable(jnp.ones(1)))
+  assert 'loop' not in str(info.value)
+
+  def widen():
+    v.set_value(jnp.zeros(3))
+
+  with pytest.raises(ValueError, match='changes shape inside a branch') as info:
+    bnx.switch(0, [widen, lambda: None])
+  assert 'loop' not in str(info.value)
+  with pytest.raises(TypeError, match='cond: true_fun is not callable'):
+    bnx.cond(True, 'nope', lambda: None)

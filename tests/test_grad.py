@@ -165,3 +165,33 @@ def test_eager_grad_replays_compiled(model):
   g = bnx.grad(loss, grad_states=model)
   g(X), g(X)
   assert len(runs) == 1
+
+
+def test_grad_by_filter_over_an_argument_and_a_closure_module_matches_jax_grad():
+  rngs = nnx.Rngs(0)
+  model, other = nnx.Linear(2, 2, rngs=rngs), nnx.Linear(2, 1, rngs=rngs)
+  x = jnp.ones((3, 2))
+  grads = bnx.grad(lambda m: (other(m(x)) ** 2).mean(), grad_states=nnx.Param)(model)
+  assert sorted(grads.keys(), key=str) == [0, 'other']  # roots: argument 0 and the captured name
+
+  def pure(p_model, p_other):
+    h = x @ p_model['kernel'] + p_model['bias']
+    return ((h @ p_other['kernel'] + p_other['bias']) ** 2).mean()
+
+  params = lambda m: {'kernel': m.kernel[...], 'bias': m.bias[...]}  # noqa: E731
+  ref_model, ref_other = jax.grad(pure, argnums=(0, 1))(params(model), params(other))
+  for got, ref in ((grads[0], ref_model), (grads['other'], ref_other)):
+    np.testing.assert_allclose(got['kernel'][...], ref['kernel'], rtol=1e-6)
+    np.testing.assert_allclose(got['bias'][...], ref['bias'], rtol=1e-6)
+  leaves = jax.tree.leaves(grads)  # a pytree with int and str roots side by side
+  assert len(leaves) == 4 and jax.tree.structure(jax.tree.map(lambda a: a * 2, grads)) == jax.tree.structure(grads)
+
+
+def test_grad_negative_and_repeated_argnums_as_jax_grad():
+  f = lambda x, y: jnp.sum(x * y ** 2)  # noqa: E731
+  x, y = jnp.arange(3.0), jnp.ones(3) * 2
+  got = bnx.grad(f, argnums=(-1, -2))(x, y)
+  ref = jax.grad(f, argnums=(-1, -2))(x, y)
+  jax.tree.map(np.testing.assert_allclose, got, ref)
+  with pytest.raises(ValueError, match=r'grad: argnums=\(0, -2\) names argument\(s\) \[0\] more than once'):
+    bnx.grad(f, argnums=(0, -2))(x, y)

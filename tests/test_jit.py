@@ -362,3 +362,27 @@ def test_threads_call_one_jitted_function():
   for i, m in enumerate(models):
     np.testing.assert_allclose(results[i], refs[i], rtol=1e-6)
     assert int(m.calls[...]) == 5 + (i == 0)
+
+
+@pytest.mark.parametrize(
+  'kwargs, match',
+  [
+    ({'static_argnums': 1.0}, r'jit: static_argnums must be an int or a sequence of ints, got 1.0 \(float\)'),
+    ({'static_argnums': '0'}, r"jit: static_argnums must be an int or a sequence of ints, got '0' \(str\)"),
+    ({'static_argnums': (0, 1.5)}, r'jit: static_argnums must be an int or a sequence of ints, got 1.5'),
+    ({'static_argnames': 3}, r'jit: static_argnames must be a str or a sequence of strs, got 3 \(int\)'),
+    ({'static_argnames': ('x', 3)}, r'jit: static_argnames must be a str or a sequence of strs'),
+    ({'donate_argnums': 0.0}, r'donate_argnums must be an int or a sequence of ints, got 0.0 \(float\)'),
+  ],
+  ids=['static-float', 'static-str', 'static-float-inside', 'names-int', 'names-mixed', 'donate-float'],
+)
+def test_jit_keywords_of_the_wrong_type_are_type_errors_naming_the_parameter(kwargs, match):
+  with pytest.raises(TypeError):  # jax.jit refuses these values too
+    jax.jit(lambda x, y=0: x, **kwargs).lower(1.0)
+  with pytest.raises(TypeError, match=match):
+    bnx.jit(lambda x, y=0: x, **kwargs)
+
+
+def test_shard_map_mesh_must_be_a_mesh():
+  with pytest.raises(TypeError, match=r'shard_map: mesh must be a jax.sharding.Mesh .*got 3'):
+    bnx.shard_map(lambda x: x, mesh=3, in_specs=None, out_specs=None)

@@ -217,8 +217,8 @@ def test_checkpointed_errors():
   for base in (1, True, 2.0):
     with pytest.raises(ValueError, match='base >= 2'):
       bnx.checkpointed_scan(lambda c, x: (c, x), 0, jnp.ones(3), base=base)
-  with pytest.raises(ValueError, match='zero-length'):
-    bnx.checkpointed_scan(lambda c, x: (c, x), 0, jnp.ones((0, 2)))
+  with pytest.raises(ValueError, match='checkpointed_scan: length must be non-negative, got length=-1'):
+    bnx.checkpointed_scan(lambda c, x: (c + 1, None), 0.0, None, length=-1)
   with pytest.raises(ValueError, match='must return a pair'):
     bnx.checkpointed_scan(lambda c, x: (c, x, x), 0, jnp.ones(3))
 
@@ -311,3 +311,105 @@ def test_eager_loops_replay_compiled_code():
   for _ in range(3):
     bnx.scan(step, 0.0, xs)
   assert len(runs) == 1
+
+
+# -- lengths, names, and state held fixed over the steps -----------------------------
+
+
+@pytest.mark.parametrize('loop', ['checkpointed_scan', 'scan'])
+def test_zero_length_scan_returns_init_and_empty_outputs_like_lax_scan(loop):
+  stat = nnx.BatchStat(jnp.float32(3.0))
+
+  def body(c, x):
+    stat[...] += 1.0
+    return c + x.sum(), x * 2
+
+  ref_c, ref_ys = jax.lax.scan(lambda c, x: (c + x.sum(), x * 2), jnp.float32(1.0), jnp.ones((0, 3)))
+  c, ys = getattr(bnx, loop)(body, jnp.float32(1.0), jnp.ones((0, 3)))
+  np.testing.assert_array_equal(c, ref_c)
+  assert ys.shape == ref_ys.shape == (0, 3) and ys.dtype == ref_ys.dtype
+  assert float(stat[...]) == 3.0  # the body never ran
+  ref_c, _ = jax.lax.scan(lambda c, _: (c + 1, None), 0.0, None, length=0)
+  assert float(getattr(bnx, loop)(lambda c, _: (c + 1, None), 0.0, None, length=0)[0]) == float(ref_c)
+
+
+def test_checkpointed_for_loop_of_zero_length_matches_lax_scan():
+  ref = jax.lax.scan(lambda c, x: (c, x * 2), None, jnp.ones((0, 3)))[1]
+  out = bnx.checkpointed_for_loop(lambda x: x * 2, jnp.ones((0, 3)))
+  assert out.shape == ref.shape and out.dtype == ref.dtype
+
+
+@pytest.mark.parametrize('loop', ['scan', 'checkpointed_scan'])
+def test_negative_or_fractional_lengths_are_refused(loop):
+  with pytest.raises(ValueError, match=f'{loop}: length must be non-negative, got length=-1'):
+    getattr(bnx, loop)(lambda c, x: (c + 1, None), 0.0, None, length=-1)
+  with pytest.raises(TypeError, match=rf'{loop}: length must be an int, got 1.5 \(float\)'):
+    getattr(bnx, loop)(lambda c, x: (c + 1, None), 0.0, None, length=1.5)
+
+
+def test_loop_errors_name_the_loop_called():
+  with pytest.raises(ValueError, match='^for_loop got a scalar'):
+    bnx.for_loop(lambda x: x, jnp.ones(()))
+  with pytest.raises(ValueError, match='^for_loop: the loop body creates Variables'):
+    bnx.for_loop(lambda x: nnx.Linear(2, 2, rngs=nnx.Rngs(0)), jnp.ones(3))
+  with pytest.raises(ValueError, match='^checkpointed_for_loop got a scalar'):
+    bnx.checkpointed_for_loop(lambda x: x, jnp.ones(()))
+  with pytest.raises(ValueError, match='^for_loop: length must be non-negative'):
+    bnx.for_loop(lambda x: x, jnp.ones(3), length=-3)
+
+
+def _dropout_scan_oracle(seed, steps, width):
+  """A Python loop in which every step draws with the stream's pre-loop count (a fixed key)."""
+  drop = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=seed))
+  count = int(drop.rngs.count[...])
+  outs = []
+  for _ in range(steps):
+    drop.rngs.count[...] = count
+    outs.append(drop(jnp.ones(width)))
+  return np.stack(outs), int(drop.rngs.count[...])
+
+
+def test_recurrent_dropout_broadcast_stream_matches_a_python_loop_with_a_fixed_key():
+  drop = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=5))
+  _, ys = bnx.scan(lambda h, x: (h, drop(x)), None, jnp.ones((4, 16)), state_in_axes={None: 'dropout'})
+  ref, ref_count = _dropout_scan_oracle(5, 4, 16)
+  np.testing.assert_array_equal(ys, ref)
+  assert int(drop.rngs.count[...]) == ref_count == 1  # the loop advanced the stream as one step does
+  assert len({tuple(np.asarray(y)) for y in ys}) == 1  # one mask for every step
+  _, again = bnx.scan(lambda h, x: (h, drop(x)), None, jnp.ones((4, 16)), state_in_axes={None: 'dropout'})
+  assert not np.array_equal(again[0], ys[0])  # the next loop draws a new mask
+
+
+def test_recurrent_dropout_under_jit_and_for_loop_matches_the_fixed_key_loop():
+  drop = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=7))
+  out = bnx.jit(lambda xs: bnx.for_loop(drop, xs, state_in_axes={None: nnx.RngState}))(jnp.ones((3, 16)))
+  ref, ref_count = _dropout_scan_oracle(7, 3, 16)
+  np.testing.assert_array_equal(out, ref)
+  assert int(drop.rngs.count[...]) == ref_count
+
+
+def test_a_carried_stream_draws_a_new_key_every_step_unlike_a_broadcast_one():
+  rngs = nnx.Rngs(dropout=0)
+  _, keys = bnx.scan(lambda c, _: (c, jax.random.key_data(rngs.dropout())), None, None, length=3)
+  key0 = nnx.Rngs(dropout=0).dropout.key[...]
+  np.testing.assert_array_equal(keys, np.stack([jax.random.key_data(jax.random.fold_in(key0, i)) for i in range(3)]))
+
+
+def test_broadcast_variables_are_read_only_and_unhonoured_axes_are_refused():
+  p = nnx.Param(jnp.arange(2.0))
+  c, _ = bnx.scan(lambda c, x: (c + p[...] * x, None), jnp.zeros(2), jnp.ones((3, 2)), state_in_axes={None: nnx.Param})
+  ref, _ = jax.lax.scan(lambda c, x: (c + jnp.arange(2.0) * x, None), jnp.zeros(2), jnp.ones((3, 2)))
+  np.testing.assert_array_equal(c, ref)
+
+  def write(c, x):
+    p[...] += x
+    return c, None
+
+  with pytest.raises(ValueError, match=r"scan: Param at \('p',\) is broadcast over the steps .* read-only"):
+    bnx.scan(write, 0.0, jnp.ones((3, 2)), state_in_axes={None: nnx.Param})
+  np.testing.assert_array_equal(p[...], jnp.arange(2.0))
+  for axes in ({1: nnx.Param}, {-1: 'dropout'}):
+    with pytest.raises(ValueError, match=r'scan: state_in_axes=\{.*\} is not honoured'):
+      bnx.scan(write, 0.0, jnp.ones((3, 2)), state_in_axes=axes)
+  with pytest.raises(ValueError, match=r'for_loop: state_in_axes=\{2: .*\} is not honoured'):
+    bnx.for_loop(lambda x: x, jnp.ones(3), state_in_axes={2: nnx.Param})

@@ -65,7 +65,7 @@ def test_for_loop_over_layers_and_lengths_are_checked():
   np.testing.assert_allclose(ys, ref, rtol=1e-5)
   with pytest.raises(ValueError, match=r"leading axis is \[12\], not the loop length 5"):
     bnx.scan(lambda h, x: (stack(h), None), jnp.ones((2, WIDTH)), jnp.ones(5), state_in_axes=LAYER_STATE)
-  with pytest.raises(ValueError, match='axis 0 only'):
+  with pytest.raises(ValueError, match=r'scan: state_in_axes=\{1: .*\} is not honoured: a scan takes axis 0'):
     bnx.scan(lambda h, _: (stack(h), None), jnp.ones((2, WIDTH)), None, length=LAYERS, state_in_axes={1: nnx.Param})
 
 
@@ -107,3 +107,63 @@ def test_scan_over_layers_inside_checkpointed_scan_equals_loops_over_time_and_la
   np.testing.assert_allclose(stack.stat[...], ref_stats, rtol=1e-5, atol=1e-6)  # per layer, the last step's
   for got, want in zip((g['lin']['kernel'][...], g['lin']['bias'][...]), ref_grads):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * float(jnp.abs(want).max()))
+
+
+# -- a stacked Module or split Rngs passed as xs, as nnx.scan takes them ----------------
+
+
+def test_scan_over_a_stacked_module_in_xs_matches_nnx_scan():
+  stack = _stack()
+  ref = nnx.clone(stack)
+  x = jnp.ones((2, WIDTH))
+  h, ys = bnx.scan(lambda h, layer: (layer(h), h.sum()), x, stack)
+
+  @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+  def oracle(h, layer):
+    return layer(h), h.sum()
+
+  h_ref, ys_ref = oracle(x, ref)
+  np.testing.assert_allclose(h, h_ref, rtol=1e-6)
+  np.testing.assert_allclose(ys, ys_ref, rtol=1e-6)
+  np.testing.assert_allclose(stack.stat[...], ref.stat[...], rtol=1e-6)  # writes stacked back
+  assert stack.stat.shape == (LAYERS, WIDTH)
+
+
+def test_for_loop_over_a_stacked_module_in_xs_matches_nnx_scan():
+  stack, ref = _stack(), None
+  ref = nnx.clone(stack)
+  xs = jnp.arange(LAYERS * WIDTH, dtype=jnp.float32).reshape(LAYERS, 1, WIDTH) / 100
+  out = bnx.for_loop(lambda layer, x: layer(x), stack, xs)
+
+  @nnx.scan(in_axes=(0, 0), out_axes=0)
+  def oracle(layer, x):
+    return layer(x)
+
+  np.testing.assert_allclose(out, oracle(ref, xs), rtol=1e-6)
+  np.testing.assert_allclose(stack.stat[...], ref.stat[...], rtol=1e-6)
+  with pytest.raises(ValueError, match=r'for_loop: .* is scanned over \(it is in xs\) but its leading axis is \[12\], not the loop length 3'):
+    bnx.for_loop(lambda layer, x: layer(x), stack, xs[:3])
+
+
+def test_scan_over_split_rngs_in_xs_matches_nnx_scan_under_split_rngs():
+  def draw(r):
+    return jax.random.normal(r.dropout(), (2,))
+
+  ours, theirs = nnx.Rngs(dropout=1), nnx.Rngs(dropout=1)
+  with nnx.split_rngs(theirs, splits=4):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+    def oracle(c, r):
+      return c, draw(r)
+
+    _, ref = oracle(0.0, theirs)
+    ref_count = np.asarray(theirs.dropout.count[...])
+  with nnx.split_rngs(ours, splits=4):
+    _, got = bnx.scan(lambda c, r: (c, draw(r)), 0.0, ours)
+    got_count = np.asarray(ours.dropout.count[...])
+  np.testing.assert_array_equal(got, ref)
+  np.testing.assert_array_equal(got_count, ref_count)  # every slice's count advanced once
+
+
+def test_checkpointed_scan_refuses_graph_nodes_in_xs():
+  with pytest.raises(TypeError, match='checkpointed_scan: xs holds a graph node'):
+    bnx.checkpointed_scan(lambda h, layer: (layer(h), None), jnp.ones((2, WIDTH)), _stack())

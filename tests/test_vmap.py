@@ -550,3 +550,72 @@ def test_map_rng_per_element_and_errors():
     bnx.map(lambda x: x, jnp.float32(1.0))
   with pytest.raises(ValueError, match='different leading sizes'):
     bnx.map(lambda x, y: x, jnp.zeros(3), jnp.zeros(4))
+
+
+# -- aliasing, empty batches and new Variables' axes, against jax.vmap / nnx.vmap -------
+
+
+class _Pair(nnx.Module):
+  def __init__(self):
+    self.p = nnx.Param(jnp.arange(6.0).reshape(2, 3))
+
+
+@pytest.mark.parametrize('reads', [True, False], ids=['reads', 'ignores'])
+def test_one_module_passed_twice_with_different_in_axes_is_refused_like_nnx_vmap(reads):
+  m = _Pair()
+  f = (lambda a, b: a.p[...] + 10 * b.p[...]) if reads else (lambda a, b: jnp.float32(1.0))
+  with pytest.raises(ValueError, match='Inconsistent aliasing'):  # the oracle
+    nnx.vmap(f, in_axes=(0, 1), axis_size=2)(m, m)
+  before = np.asarray(m.p[...])
+  with pytest.raises(bnx.BatchAxisError, match=r"reached as \(0, 'p'\) with axis 0 .* and as \(1, 'p'\) with axis 1"):
+    bnx.vmap(f, in_axes=(0, 1), axis_size=2)(m, m)
+  np.testing.assert_array_equal(m.p[...], before)
+
+
+def test_one_module_passed_twice_with_the_same_in_axes_maps_like_nnx_vmap():
+  m = _Pair()
+  f = lambda a, b: a.p[...] + 10 * b.p[...]  # noqa: E731
+  np.testing.assert_array_equal(bnx.vmap(f, in_axes=(1, 1))(m, m), nnx.vmap(f, in_axes=(1, 1))(m, m))
+
+
+def test_a_zero_size_batch_drawing_from_a_stream_has_the_shape_jax_vmap_gives():
+  rngs = nnx.Rngs(0)
+  count = int(rngs.default.count[...])
+  out = bnx.vmap(lambda x: x + rngs.normal(x.shape))(jnp.ones((0, 3)))
+  keys = jax.random.split(jax.random.key(0), 0)
+  ref = jax.vmap(lambda x, k: x + jax.random.normal(k, x.shape))(jnp.ones((0, 3)), keys)
+  assert out.shape == ref.shape == (0, 3) and out.dtype == ref.dtype
+  assert int(rngs.default.count[...]) == count + 1  # the stream advances once, as for any batch
+
+
+def test_axis_size_zero_builds_an_empty_ensemble_like_nnx_split_rngs_and_vmap():
+  ours, theirs = nnx.Rngs(0), nnx.Rngs(0)
+  ensemble = bnx.vmap(lambda: nnx.Linear(2, 3, rngs=ours), axis_size=0)()
+
+  @nnx.split_rngs(splits=0)
+  @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=0)
+  def oracle(r):
+    return nnx.Linear(2, 3, rngs=r)
+
+  ref = oracle(theirs)
+  assert ensemble.kernel.shape == ref.kernel.shape == (0, 2, 3)
+  assert ensemble.bias.shape == ref.bias.shape == (0, 3)
+  assert int(ours.default.count[...]) == int(theirs.default.count[...])
+
+
+@pytest.mark.parametrize('size', [-1, -5])
+def test_negative_axis_size_is_a_value_error_naming_axis_size(size):
+  with pytest.raises(ValueError, match=f'vmap: axis_size must be a non-negative int, got axis_size={size}'):
+    bnx.vmap(lambda: 1.0, axis_size=size)
+
+
+def test_batched_new_variables_declared_unbatched_are_a_batch_axis_error_naming_them():
+  rngs = nnx.Rngs(0)
+  with pytest.raises(bnx.BatchAxisError, match=r"vmap: Param at \('kernel',\) of the Linear created inside is declared state_out_axes=None"):
+    bnx.vmap(lambda: nnx.Linear(2, 3, rngs=rngs), axis_size=3, state_out_axes={None: nnx.Param})()
+  # the oracle: nnx.vmap refuses a batched value placed unbatched too
+  with pytest.raises(ValueError):
+    nnx.split_rngs(splits=3)(nnx.vmap(lambda r: nnx.Linear(2, 3, rngs=r), in_axes=0, out_axes=None, axis_size=3))(rngs)
+  shared = bnx.vmap(lambda: nnx.Linear(2, 3, rngs=nnx.Rngs(1)), axis_size=3, state_out_axes={None: nnx.Param})()
+  ref = nnx.Linear(2, 3, rngs=nnx.Rngs(1))  # independent of the batch: one shared copy is fine
+  np.testing.assert_array_equal(shared.kernel[...], ref.kernel[...])

@@ -30,7 +30,7 @@ import jax
 
 from brainnx._engine.discovery import holds_graph_node, is_reference, static_key
 
-__all__ = ['ArgKind', 'CallArgs', 'StaticArgs', 'normalize_argnums']
+__all__ = ['ArgKind', 'CallArgs', 'StaticArgs', 'check_argnums', 'normalize_argnums', 'resolve_argnums']
 
 
 class ArgKind(enum.Enum):
@@ -42,19 +42,67 @@ class ArgKind(enum.Enum):
   MIXED = 'mixed'  # a container of array data and references, flattened
 
 
-def normalize_argnums(argnums, what: str = 'static_argnums') -> tuple[int, ...]:
-  if isinstance(argnums, int):
-    argnums = (argnums,)
-  nums = tuple(argnums)
+def _is_int(n) -> bool:
+  return isinstance(n, int) and not isinstance(n, bool)
+
+
+def _int_tuple(argnums, what: str) -> tuple[int, ...]:
+  """``argnums`` (an int or a sequence of ints) as a tuple, else ``TypeError`` naming ``what``."""
+  if _is_int(argnums):
+    return (argnums,)
+  if isinstance(argnums, (str, bytes)) or not isinstance(argnums, (tuple, list, range)):
+    raise TypeError(f'{what} must be an int or a sequence of ints, got {argnums!r} ({type(argnums).__name__})')
+  for n in argnums:
+    if not _is_int(n):
+      raise TypeError(f'{what} must be an int or a sequence of ints, got {n!r} ({type(n).__name__}) in {argnums!r}')
+  return tuple(argnums)
+
+
+def check_argnums(argnums, name: str) -> tuple[tuple[int, ...] | None, bool]:
+  """A differentiation transform's ``argnums`` (``None``, an int or ints): ``(tuple or None,
+  given as an int)``; anything else is a ``TypeError`` naming ``argnums`` and ``name``."""
+  if argnums is None:
+    return None, False
+  return _int_tuple(argnums, f'{name}: argnums'), _is_int(argnums)
+
+
+def resolve_argnums(nums: tuple[int, ...], n_args: int, name: str) -> tuple[int, ...]:
+  """``nums`` against a call with ``n_args`` positional arguments, as ``jax.grad`` resolves them:
+  negative positions count from the right; out of range or repeated → ``ValueError``."""
+  resolved = []
   for n in nums:
-    if not isinstance(n, int) or isinstance(n, bool):
-      raise TypeError(f'{what} must be ints, got {n!r}')
+    if not -n_args <= n < n_args:
+      raise ValueError(
+        f'{name}: argnums={n} is out of range: the function got {n_args} positional '
+        f'argument(s), so argnums must be in [{-n_args}, {n_args - 1}]'
+      )
+    resolved.append(n % n_args)
+  repeated = sorted({n for n in resolved if resolved.count(n) > 1})
+  if repeated:
+    raise ValueError(
+      f'{name}: argnums={nums} names argument(s) {repeated} more than once (negative positions '
+      'count from the right); give each argument once'
+    )
+  return tuple(resolved)
+
+
+def normalize_argnums(argnums, what: str = 'static_argnums') -> tuple[int, ...]:
+  nums = _int_tuple(argnums, what)
+  for n in nums:
     if n < 0:
       raise ValueError(
         f'{what} must be non-negative, got {n}: count positions from the left '
         '(brainnx does not resolve negative positions)'
       )
   return nums
+
+
+def _str_tuple(names, what: str) -> tuple[str, ...]:
+  if isinstance(names, str):
+    return (names,)
+  if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
+    raise TypeError(f'{what} must be a str or a sequence of strs, got {names!r} ({type(names).__name__})')
+  return tuple(names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +116,8 @@ class StaticArgs:
 
   @classmethod
   def resolve(cls, fun: Callable, static_argnums=(), static_argnames=(), *, what: str = 'jit') -> 'StaticArgs':
-    nums = normalize_argnums(static_argnums)
-    names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+    nums = normalize_argnums(static_argnums, f'{what}: static_argnums')
+    names = _str_tuple(static_argnames, f'{what}: static_argnames')
     if not nums and not names:
       return cls()
     try:

@@ -324,7 +324,10 @@ class JittedFunction:
     if spec is None or spec is False:
       return ()
     values = read_values(disc.variables)
-    written = self.stateful_fun.trace_for(disc, call, values, call.dyn).written
+    trace = self.stateful_fun.trace_for(disc, call, values, call.dyn)
+    if calls_host(trace.closed):  # a callback may raise mid-program: donated buffers would be lost
+      return ()
+    written = trace.written
     predicate = (lambda path, var: True) if spec is True else to_filter(spec)
     return tuple(sorted(i for i in written if predicate(disc.paths[i], disc.variables[i])))
 
@@ -447,6 +450,21 @@ class Compiled:
 
   def __getattr__(self, name):
     return getattr(self._compiled, name)
+
+
+def calls_host(jaxpr) -> bool:
+  """Whether a (closed) jaxpr, or one nested in it, calls back to the host (``jax.pure_callback``,
+  ``io_callback``, ``jax.debug.callback``): such a program can fail after it consumed its inputs."""
+  inner = getattr(jaxpr, 'jaxpr', jaxpr)
+  for eqn in getattr(inner, 'eqns', ()):
+    if 'callback' in eqn.primitive.name:
+      return True
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if hasattr(sub, 'eqns') or hasattr(getattr(sub, 'jaxpr', None), 'eqns'):
+          if calls_host(sub):
+            return True
+  return False
 
 
 def _donated_positions(call: CallArgs, donate_argnums, n_state: int = 1) -> tuple[int, ...]:

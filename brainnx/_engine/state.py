@@ -140,7 +140,7 @@ class StepResult:
 
   def split_out(self, disc: Discovery) -> tuple[OutSpec, list]:
     """The return value as a rebuild spec and its array leaves (computed once)."""
-    split = self.__dict__.get('_split')
+    split = getattr(self, '_split', None)
     if split is None:
       split = split_output(self.out, disc, self.new_nodes)
       object.__setattr__(self, '_split', split)

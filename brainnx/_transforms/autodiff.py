@@ -15,8 +15,9 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from brainnx._engine.arguments import check_argnums, resolve_argnums
 from brainnx._engine.eager import run
-from brainnx._transforms.grad import GradFunction, _pure_call
+from brainnx._transforms.grad import GradFunction, _pure_call, _selected
 from brainnx._engine.errors import check_callable
 
 __all__ = ['jacrev', 'jacfwd', 'hessian', 'vjp', 'jvp']
@@ -31,7 +32,8 @@ def _derivative(transform, name: str):
     return_value: bool = False,
   ) -> GradFunction:
     check_callable(fun, name)
-    return GradFunction(fun, grad_states, argnums, has_aux, return_value, with_value_first=False, transform=transform)
+    return GradFunction(fun, grad_states, argnums, has_aux, return_value, with_value_first=False, transform=transform,
+                        name=name)
 
   make.__name__ = make.__qualname__ = name
   make.__doc__ = f"""``jax.{name}`` of a stateful function, with ``grad_states`` / ``argnums`` as :func:`grad`.
@@ -108,10 +110,11 @@ def vjp(fun: Callable, *primals, grad_states: Any = None, argnums: int | Sequenc
     [2.0, 6.0]
   """
   check_callable(fun, 'vjp')
-  if argnums is None and grad_states is None:
-    argnums = tuple(range(len(primals)))
-  argnums_is_int = isinstance(argnums, int)
-  nums = (argnums,) if argnums_is_int else (tuple(argnums) if argnums is not None else None)
+  nums, argnums_is_int = check_argnums(argnums, 'vjp')
+  if nums is None and grad_states is None:
+    nums = tuple(range(len(primals)))
+  if nums is not None:
+    nums = resolve_argnums(nums, len(primals), 'vjp')
   pure, target_vals, arg_vals, stateful, pack = _pure_call(fun, grad_states, nums, has_aux, primals, {}, 'vjp')
   with stateful.rolling_back():
     value, pull, (_, aux, written_vals) = jax.vjp(pure, target_vals, arg_vals, has_aux=True)
@@ -119,11 +122,7 @@ def vjp(fun: Callable, *primals, grad_states: Any = None, argnums: int | Sequenc
 
   def vjp_fn(cotangent):
     g_states, g_args = pull(cotangent)
-    state_grads, by_arg = pack(g_states, g_args)
-    arg_grads = None if nums is None else (by_arg[nums[0]] if argnums_is_int else tuple(by_arg[k] for k in nums))
-    if grad_states is not None and nums is not None:
-      return state_grads, arg_grads
-    return state_grads if grad_states is not None else arg_grads
+    return _selected(grad_states, nums, argnums_is_int, *pack(g_states, g_args))
 
   return (value, vjp_fn, aux) if has_aux else (value, vjp_fn)
 
@@ -150,6 +149,11 @@ def jvp(fun: Callable, primals: Sequence, tangents: Sequence, has_aux: bool = Fa
     6.0
   """
   check_callable(fun, 'jvp')
+  if not isinstance(primals, (tuple, list)) or not isinstance(tangents, (tuple, list)):
+    raise TypeError(
+      'jvp: primals and tangents must be tuples or lists (one entry per positional argument, as '
+      f'jax.jvp takes them); got {type(primals).__name__} and {type(tangents).__name__}'
+    )
   return run(_jvp_impl, (fun,), (has_aux,), (tuple(primals), tuple(tangents)))
 
 

@@ -40,7 +40,8 @@ def cond(pred, true_fun: Callable, false_fun: Callable, *operands) -> Any:
   """``jax.lax.cond`` for branches that read and write Variables.
 
   Args:
-    pred: a boolean scalar (Python or array; batched under ``vmap``).
+    pred: a boolean or real number scalar (Python or array; batched under ``vmap``); as in
+      ``jax.lax.cond``, any non-zero number (``-1``, ``0.5``, ``nan``) is true.
     true_fun, false_fun: the branches, called as ``branch(*operands)``; both must return
       the same structure, shapes and dtypes.
     *operands: the branches' arguments.
@@ -49,17 +50,21 @@ def cond(pred, true_fun: Callable, false_fun: Callable, *operands) -> Any:
     The output of the branch taken.
 
   Raises:
-    TypeError: a branch is not callable.
-    ValueError: the branches return different structures (naming the branch), or one
-      creates Variables.
+    TypeError: a branch is not callable, or ``pred`` is not a boolean or real number scalar
+      (``None``, a string, a complex number, an array of another shape).
+    ValueError: the branches return different structures (naming ``true_fun`` /
+      ``false_fun``), or one creates Variables.
 
   Example:
     >>> import brainnx as bnx
     >>> float(bnx.cond(2 > 1, lambda x: x + 1, lambda x: x - 1, 1.0))
     2.0
   """
-  _check_branches((true_fun, false_fun), 'cond')
-  index = jnp.asarray(pred).astype(jnp.int32)
+  _check_branches((true_fun, false_fun), 'cond', ('true_fun', 'false_fun'))
+  pred = _scalar(pred, 'cond', 'the predicate `pred`', 'a boolean or number scalar')
+  if jnp.issubdtype(pred.dtype, jnp.complexfloating):
+    raise TypeError(f'cond: the predicate `pred` must be a boolean or real number scalar, got dtype {pred.dtype}')
+  index = jax.lax.convert_element_type(pred != 0, jnp.int32)  # any non-zero number is true, as jax.lax.cond
   return run(_switch_impl, (false_fun, true_fun), ('cond', 2), (index, *operands))
 
 
@@ -76,7 +81,8 @@ def switch(index, branches: Sequence[Callable], *operands) -> Any:
     The output of the selected branch.
 
   Raises:
-    TypeError: a branch is not callable.
+    TypeError: a branch is not callable, or ``index`` is not an integer scalar (a bool,
+      float, string or ``None`` is refused, as by ``jax.lax.switch``).
     ValueError: no branches, branches returning different structures (naming the branch),
       or a branch creating Variables.
 
@@ -87,6 +93,9 @@ def switch(index, branches: Sequence[Callable], *operands) -> Any:
   """
   branches = tuple(branches)
   _check_branches(branches, 'switch')
+  index = _scalar(index, 'switch', '`index`', 'an integer scalar')
+  if not jnp.issubdtype(index.dtype, jnp.integer):
+    raise TypeError(f'switch: `index` must be an integer scalar, got dtype {index.dtype}')
   return run(_switch_impl, branches, ('switch', len(branches)), (index, *operands))
 
 
@@ -94,7 +103,7 @@ def ifelse(conditions: Sequence, branches: Sequence[Callable], *operands) -> Any
   """Run the branch of the first true condition; when none is true, the last branch.
 
   Args:
-    conditions: boolean scalars, as many as ``branches``.
+    conditions: boolean scalars (bool dtype, shape ``()``), as many as ``branches``.
     branches: callables, each called as ``branch(*operands)``.
     *operands: the branches' arguments.
 
@@ -102,7 +111,7 @@ def ifelse(conditions: Sequence, branches: Sequence[Callable], *operands) -> Any
     The output of the branch that ran.
 
   Raises:
-    TypeError: a branch is not callable.
+    TypeError: a branch is not callable, or a condition is not a boolean scalar.
     ValueError: ``len(conditions) != len(branches)``, or as :func:`switch`.
 
   Example:
@@ -116,18 +125,45 @@ def ifelse(conditions: Sequence, branches: Sequence[Callable], *operands) -> Any
   conditions = list(conditions)
   if len(conditions) != len(branches):
     raise ValueError(f'ifelse: {len(conditions)} conditions for {len(branches)} branches: give one per branch')
-  flags = jnp.stack([jnp.asarray(c, bool) for c in conditions])
+  flags = []
+  for k, c in enumerate(conditions):
+    c = _scalar(c, 'ifelse', f'condition {k}', 'a boolean scalar')
+    if c.dtype != jnp.bool_:
+      raise TypeError(f'ifelse: condition {k} must be a boolean scalar, got dtype {c.dtype} (compare it, e.g. `x > 0`)')
+    flags.append(c)
+  flags = jnp.stack(flags)
   index = jnp.where(jnp.any(flags), jnp.argmax(flags), len(branches) - 1).astype(jnp.int32)
   return run(_switch_impl, branches, ('ifelse', len(branches)), (index, *operands))
 
 
-def _check_branches(branches: tuple, name: str) -> None:
+def _scalar(value, name: str, what: str, expected: str):
+  """``value`` as an array scalar of a bool or number dtype, else ``TypeError`` naming ``what``."""
+  if value is None or isinstance(value, (str, bytes)):
+    raise TypeError(f'{name}: {what} must be {expected}, got {value!r}')
+  try:
+    array = value if hasattr(value, 'dtype') and hasattr(value, 'shape') else jnp.asarray(value)
+  except (TypeError, ValueError):
+    raise TypeError(f'{name}: {what} must be {expected}, got {type(value).__name__} {value!r}') from None
+  if array.shape != ():
+    raise TypeError(f'{name}: {what} must be {expected}, got a value of shape {tuple(array.shape)}')
+  if not (array.dtype == jnp.bool_ or jnp.issubdtype(array.dtype, jnp.number)):
+    raise TypeError(f'{name}: {what} must be {expected}, got dtype {array.dtype}')
+  return array
+
+
+def _check_branches(branches: tuple, name: str, labels: tuple | None = None) -> None:
   if not branches:
     raise ValueError(f'{name}: needs at least one branch')
   for k, b in enumerate(branches):
     if not callable(b):
-      raise TypeError(f'{name}: branch {k} is not callable (got {type(b).__name__})')
-    check_callable(b, f'{name}: branch {k}')
+      label = labels[k] if labels else f'branch {k}'
+      raise TypeError(f'{name}: {label} is not callable (got {type(b).__name__})')
+    check_callable(b, f'{name}: {labels[k] if labels else f"branch {k}"}')
+
+
+def _label(name: str, k: int) -> str:
+  """How errors call branch ``k``: cond's branches by their parameter names."""
+  return ('false_fun', 'true_fun')[k] if name == 'cond' else f'branch {k}'
 
 
 def _switch_impl(*args):
@@ -140,8 +176,8 @@ def _switch_impl(*args):
   for k, s in enumerate(shapes[1:], start=1):
     if jax.tree.structure(s) != jax.tree.structure(shapes[0]) or jax.tree.leaves(s) != jax.tree.leaves(shapes[0]):
       raise ValueError(
-        f'{name}: branch {k} returns {jax.tree.unflatten(jax.tree.structure(s), jax.tree.leaves(s))} but '
-        f'branch 0 returns {jax.tree.unflatten(jax.tree.structure(shapes[0]), jax.tree.leaves(shapes[0]))}: '
+        f'{name}: {_label(name, k)} returns {jax.tree.unflatten(jax.tree.structure(s), jax.tree.leaves(s))} but '
+        f'{_label(name, 0)} returns {jax.tree.unflatten(jax.tree.structure(shapes[0]), jax.tree.leaves(shapes[0]))}: '
         'every branch must return the same structure, shapes and dtypes'
       )
   written = sorted({i for b in bodies for i in b.written})

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from brainnx import _compat
-from brainnx._engine.arguments import ArgKind, CallArgs
-from brainnx._engine.discovery import Discovery, discover, holds_graph_node, is_graph_node
+from brainnx._engine.arguments import ArgKind, CallArgs, check_argnums, resolve_argnums
+from brainnx._engine.discovery import Discovery, holds_graph_node, is_graph_node
 from brainnx._engine.eager import run
 from brainnx._engine.filters import filter_code, to_filter
 from brainnx._engine.call import StatefulCall
@@ -39,17 +39,16 @@ __all__ = ['grad', 'value_and_grad']
 class _Targets:
   """What to differentiate: Variables (with how to package their grads) and argnums."""
 
-  def __init__(self, spec, disc: Discovery, call_args: tuple, argnums):
+  def __init__(self, spec, disc: Discovery, call_args: tuple, argnums, name: str = 'grad'):
+    self.name = name
     self.variables: list = []  # unique Variables, in input order
     self.spec = spec
     self._pack_state = lambda grads: None
     if spec is not None:
       self._pack_state = self._resolve(spec, disc)
-    self.argnums = argnums
+    self.argnums = argnums  # resolved: non-negative, in range, distinct
     self.node_args = {}  # argnum -> pack function for graph-node arguments
     for k in argnums or ():
-      if k >= len(call_args):
-        raise ValueError(f'grad: argnums={k} but the function got {len(call_args)} positional arguments')
       if holds_graph_node(call_args[k]):  # a node, or a dict/list of Variables, as nnx.grad takes
         self.node_args[k] = self._node(call_args[k])
 
@@ -80,7 +79,7 @@ class _Targets:
     predicate = to_filter(spec)
     matched = [(p, v) for p, v in zip(disc.paths, disc.variables) if predicate(p, v)]
     if not matched:
-      raise ValueError(f'grad: grad_states={spec!r} matches none of the Variables the function uses')
+      raise ValueError(f'{self.name}: grad_states={spec!r} matches none of the Variables the function uses')
     slots = [(path, var, self._index(var)) for path, var in matched]
     return lambda grads: GradsByRoot(nnx.from_flat_state([(path, _grad_leaf(var, grads[k])) for path, var, k in slots]))
 
@@ -92,7 +91,7 @@ class _Targets:
           i = disc.index_of(v)
           where = disc.describe(i) if i is not None else type(v).__name__
           raise TypeError(
-            f'grad: cannot differentiate with respect to {where} (dtype {dtype}): only '
+            f'{self.name}: cannot differentiate with respect to {where} (dtype {dtype}): only '
             f'floating-point Variables have gradients; {self._fix(v, disc.paths[i] if i is not None else ())}'
           )
 
@@ -113,13 +112,34 @@ class _Targets:
     return self._pack_state(grads)
 
 
-class GradsByRoot(nnx.State):
+class _RootKeyedState(nnx.State):
+  """An ``nnx.State`` whose subclasses register their own pytree flattening (below)."""
+
+  def __init_subclass__(cls) -> None:  # nnx.State's hook would register a sort of the raw keys
+    pass
+
+
+class GradsByRoot(_RootKeyedState):
   """Gradients selected by a filter, nested by root name (``grads['model']['l1']['kernel']``).
 
   ``grads[root]`` is an ``nnx.State`` shaped like ``nnx.state(root, nnx.Param)``, ready for
   ``optimizer.update(root, grads[root])``; passing the whole object to an optimizer is refused
-  with a message saying so. ``jax.tree`` functions work on it as on any ``nnx.State``.
+  with a message saying so. ``jax.tree`` functions work on it as on any ``nnx.State``. Roots are
+  argument positions (ints) and captured names (strs) side by side: its leaves are ordered by
+  root with ints first, then strs.
   """
+
+
+def _root_items(grads: GradsByRoot) -> list:
+  return sorted(grads.raw_mapping.items(), key=lambda kv: (not isinstance(kv[0], int), kv[0]))
+
+
+jax.tree_util.register_pytree_with_keys(
+  GradsByRoot,
+  lambda g: ([(jax.tree_util.DictKey(k), v) for k, v in _root_items(g)], tuple(k for k, _ in _root_items(g))),
+  lambda keys, leaves: GradsByRoot(zip(keys, leaves)),
+  lambda g: ([v for _, v in _root_items(g)], tuple(k for k, _ in _root_items(g))),
+)
 
 
 _compat.refuse_nnx_flatten(
@@ -146,7 +166,7 @@ def _pure_call(fun, grad_states, argnums, has_aux, args, kwargs, name='grad'):
   """
   stateful = StatefulCall.enter(fun, args, kwargs, name=name)
   call, disc, values = stateful.call, stateful.disc, stateful.values
-  targets = _Targets(grad_states, disc, args, argnums)
+  targets = _Targets(grad_states, disc, args, argnums, name)
   targets.check_differentiable(disc)
   target_at = [disc.index_of(v) for v in targets.variables]
   diff_args = tuple(k for k in (argnums or ()) if k not in targets.node_args)
@@ -182,46 +202,55 @@ def _pure_call(fun, grad_states, argnums, has_aux, args, kwargs, name='grad'):
   return pure, target_vals, [args[k] for k in diff_args], stateful, pack
 
 
-def _grad_call(fun, grad_states, argnums, argnums_is_int, has_aux, args, kwargs, transform=jax.grad):
-  """``(value, aux, state_grads, arg_grads)`` of one call; other writes applied.
-
-  ``transform`` is ``jax.grad``, ``jax.jacrev``, ``jax.jacfwd`` or ``jax.hessian``.
-  """
-  name = getattr(transform, '__name__', 'grad')
-  pure, target_vals, arg_vals, stateful, pack = _pure_call(fun, grad_states, argnums, has_aux, args, kwargs, name)
-  with stateful.rolling_back():
-    (g_states, g_args), (value, aux, written_vals) = transform(pure, argnums=(0, 1), has_aux=True)(target_vals, arg_vals)
-    stateful.write_back(written_vals)
-  state_grads, by_arg = pack(g_states, g_args)
+def _selected(grad_states, argnums, argnums_is_int, state_grads, by_arg):
+  """The derivatives as the user selected them: ``state``, ``arg`` or ``(state, arg)``."""
   arg_grads = None
   if argnums is not None:
     arg_grads = by_arg[argnums[0]] if argnums_is_int else tuple(by_arg[k] for k in argnums)
-  return value, aux, state_grads, arg_grads
+  if grad_states is not None and argnums is not None:
+    return state_grads, arg_grads
+  return state_grads if grad_states is not None else arg_grads
+
+
+def _grad_call(fun, grad_states, argnums, argnums_is_int, has_aux, args, kwargs, transform=jax.grad, name='grad'):
+  """``(value, aux, grads)`` of one call; other writes applied.
+
+  ``transform`` is ``jax.grad``, ``jax.jacrev``, ``jax.jacfwd`` or the diagonal hessian. A
+  Jacobian of a function returning a pytree has that pytree's structure outermost, as
+  ``jax.jacrev`` gives it: each output leaf holds the derivatives as the selection packs them.
+  """
+  if argnums is not None:
+    argnums = resolve_argnums(argnums, len(args), name)
+  pure, target_vals, arg_vals, stateful, pack = _pure_call(fun, grad_states, argnums, has_aux, args, kwargs, name)
+  with stateful.rolling_back():
+    derivs, (value, aux, written_vals) = transform(pure, argnums=(0, 1), has_aux=True)(target_vals, arg_vals)
+    stateful.write_back(written_vals)
+  out_def = jax.tree.structure(value)
+  per_leaf = []
+  for g_states, g_args in out_def.flatten_up_to(derivs):
+    state_grads, by_arg = pack(g_states, g_args)
+    per_leaf.append(_selected(grad_states, argnums, argnums_is_int, state_grads, by_arg))
+  return value, aux, jax.tree.unflatten(out_def, per_leaf)
 
 
 class GradFunction:
   """The callable ``grad`` / ``value_and_grad`` return."""
 
-  def __init__(self, fun, grad_states, argnums, has_aux, return_value, with_value_first, transform=jax.grad):
+  def __init__(self, fun, grad_states, argnums, has_aux, return_value, with_value_first, transform=jax.grad,
+               name='grad'):
     self.fun, self.grad_states, self.has_aux, self.transform = fun, grad_states, has_aux, transform
-    self.return_value, self.with_value_first = return_value, with_value_first
-    if argnums is None and grad_states is None:
-      argnums = 0
-    self.argnums_is_int = isinstance(argnums, int)
-    self.argnums = (argnums,) if isinstance(argnums, int) else (tuple(argnums) if argnums is not None else None)
+    self.return_value, self.with_value_first, self.name = return_value, with_value_first, name
+    self.argnums, self.argnums_is_int = check_argnums(argnums, name)
+    if self.argnums is None and grad_states is None:
+      self.argnums, self.argnums_is_int = (0,), True
     functools.update_wrapper(self, fun, updated=())
     self.__wrapped__ = fun
 
   def _impl(self, *args, **kwargs):
-    value, aux, state_grads, arg_grads = _grad_call(
-      self.fun, self.grad_states, self.argnums, self.argnums_is_int, self.has_aux, args, kwargs, self.transform
+    value, aux, grads = _grad_call(
+      self.fun, self.grad_states, self.argnums, self.argnums_is_int, self.has_aux, args, kwargs, self.transform,
+      self.name,
     )
-    if self.grad_states is not None and self.argnums is not None:
-      grads = (state_grads, arg_grads)
-    elif self.grad_states is not None:
-      grads = state_grads
-    else:
-      grads = arg_grads
     if self.with_value_first:
       return ((value, aux) if self.has_aux else value), grads
     if self.return_value and self.has_aux:
@@ -344,4 +373,4 @@ def value_and_grad(
     [1.0]
   """
   check_callable(fun, 'value_and_grad')
-  return GradFunction(fun, grad_states, argnums, has_aux, False, with_value_first=True)
+  return GradFunction(fun, grad_states, argnums, has_aux, False, with_value_first=True, name='value_and_grad')

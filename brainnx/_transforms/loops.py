@@ -30,8 +30,9 @@ from brainnx import _compat
 from brainnx._engine.arguments import CallArgs
 from brainnx._engine.discovery import Discovery, discover, is_graph_node
 from brainnx._engine.eager import run
-from brainnx._engine.filters import AxisRules, stacks_exempt
+from brainnx._engine.filters import stacks_exempt
 from brainnx._transforms.progress import ProgressBar, check_pbar, runner_for
+from brainnx._transforms import scan_state
 from brainnx._engine.state import abstract_args, abstract_states, adopt_new, aval_key, read_values, write_values
 from brainnx._engine.tracing import Trace, trace_call
 from brainnx._engine.errors import BatchAxisError, check_callable
@@ -53,13 +54,13 @@ def _check_callable(f, name: str) -> None:
 def leading_length(xs, length, name: str) -> int:
   """The common leading-axis size of ``xs`` (checked against ``length`` when given)."""
   lengths = []
-  for leaf in jax.tree.leaves(xs):
+  for leaf in _dyn_leaves(xs):
     shape = jnp.shape(leaf)
     if not shape:
       raise ValueError(f'{name} got a scalar, a value with no leading axis to scan over: {leaf!r}')
     lengths.append(shape[0])
   if length is not None:
-    length = int(length)
+    length = _check_length(length, name)
     if any(n != length for n in lengths):
       raise ValueError(f'{name} got `length` argument of {length} which disagrees with leading axis sizes {lengths}')
     return length
@@ -71,6 +72,16 @@ def leading_length(xs, length, name: str) -> int:
   if not lengths:
     raise ValueError(f'{name} got no values to scan over and `length` not provided')
   return lengths[0]
+
+
+def _check_length(length, name: str) -> int:
+  """``length`` as a non-negative int, else an error naming it."""
+  if isinstance(length, bool) or not hasattr(type(length), '__index__'):
+    raise TypeError(f'{name}: length must be an int, got {length!r} ({type(length).__name__})')
+  length = int(length)
+  if length < 0:
+    raise ValueError(f'{name}: length must be non-negative, got length={length}')
+  return length
 
 
 def _is_key(x) -> bool:
@@ -90,6 +101,9 @@ def _split_pbar(pbar) -> tuple:
   return (pbar, None) if isinstance(pbar, ProgressBar) else (None, pbar)
 
 
+_BRANCHING = ('cond', 'switch', 'ifelse')  # constructs whose _Body is a branch, not a loop body
+
+
 class _Body:
   """``f(*args)`` traced as a pure function of carried and constant values.
 
@@ -101,13 +115,15 @@ class _Body:
   """
 
   def __init__(self, f: Callable, args: tuple, name: str, disc: Discovery | None = None, sliced: tuple = (),
-               keep_new: bool = False):
+               keep_new: bool = False, fixed: tuple = ()):
     self.f, self.name = f, name
     self.keep_new = keep_new  # Variables the body creates (Module.sow) come out stacked per step
     self.call = CallArgs.split(args, {})
     self.disc = disc if disc is not None else discover(f, args, {})
     self.values = read_values(self.disc.variables)
     self.sliced = tuple(sliced)  # Variables stacked on axis 0 that each step sees one slice of
+    self.fixed = tuple(fixed)  # Variables every step sees at their pre-loop value (broadcast)
+    self.per_step = self.sliced + self.fixed  # given to each step, not carried: see run_step
     self._dyn_def = jax.tree.structure(list(self.call.dyn))
     self._traces = LRUCache(32)  # the trace cache StatefulFunction and jit use, per abstract signature
     self.contents = self.disc.snapshot()
@@ -116,6 +132,11 @@ class _Body:
       avals[i] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype, weak_type=a.weak_type), avals[i])
     self.trace = self.last_trace = self._trace_for(avals, abstract_args(self.call.dyn))
     if (self.trace.new_vars and not keep_new) or self.trace.out_spec.new_nodes():
+      if name in _BRANCHING:
+        raise ValueError(
+          f'{name}: a branch creates Variables or Modules; create them before calling {name} '
+          '(or use brainnx.vmap_new_states outside it) and only update them inside'
+        )
       raise ValueError(
         f'{name}: the loop body creates Variables or Modules; create them before the loop '
         '(or use brainnx.vmap_new_states outside it) and only update them inside'
@@ -133,8 +154,8 @@ class _Body:
 
   @property
   def written(self) -> tuple[int, ...]:
-    """Written Variables that travel in the carry (sliced ones come out stacked instead)."""
-    return tuple(i for i in self.trace.written if i not in self.sliced)
+    """Written Variables that travel in the carry (sliced and fixed ones come out per step instead)."""
+    return tuple(i for i in self.trace.written if i not in self.per_step)
 
   def initial_written(self) -> list:
     return [jax.tree.map(_strong, self.values[i]) for i in self.written]
@@ -145,10 +166,10 @@ class _Body:
     return new, out_leaves
 
   def run_step(self, carried: list, dyn_leaves: list, slices: Sequence) -> tuple[list, list, list, list]:
-    """``run`` with this step's slices of the sliced Variables; also returns their new slices
-    and the values of Variables the step created."""
+    """``run`` with this step's values of the ``per_step`` Variables (slices, then fixed values);
+    also returns their new values and the values of Variables the step created."""
     pos = {i: k for k, i in enumerate(self.written)}
-    at = {i: k for k, i in enumerate(self.sliced)}
+    at = {i: k for k, i in enumerate(self.per_step)}
     states = [carried[pos[i]] if i in pos else slices[at[i]] if i in at else x for i, x in enumerate(self.values)]
     dyn = jax.tree.unflatten(self._dyn_def, list(dyn_leaves))
     trace = self._trace_for(abstract_states(self.disc, states), abstract_args(dyn))
@@ -158,7 +179,7 @@ class _Body:
     self.last_trace = trace
     new = dict(zip(trace.written, outs))
     carried_out = [self._keep_type(new[i], c, i) for c, i in zip(carried, self.written)]
-    slices_out = [self._keep_type(new[i], s, i) if i in new else s for s, i in zip(slices, self.sliced)]
+    slices_out = [self._keep_type(new[i], s, i) if i in new else s for s, i in zip(slices, self.per_step)]
     return carried_out, out_leaves, slices_out, created
 
   def run_readonly(self, values: list, dyn_leaves: list) -> list:
@@ -168,26 +189,27 @@ class _Body:
     return trace.run([values[i] for i in trace.states], dyn_leaves)[2]
 
   def _keep_type(self, new, old, i):
+    inside, kept = ('inside a branch', 'Variables a branch writes') if self.name in _BRANCHING else (
+      'inside the loop', 'loop-carried Variables')
     if jax.tree.structure(new) != jax.tree.structure(old):
       raise ValueError(
-        f'{self.name}: {self.disc.describe(i)} changes its value\'s structure inside the loop, '
+        f'{self.name}: {self.disc.describe(i)} changes its value\'s structure {inside}, '
         f'from {jax.tree.structure(old)} to {jax.tree.structure(new)} (e.g. Module.sow appending '
-        'per step); loop-carried Variables must keep it: return per-step values as the loop\'s '
-        'outputs instead, or sow outside the loop'
+        f'per step); {kept} must keep it: return per-step values as outputs instead, or sow outside'
       )
 
     def one(n, o):
       if jnp.shape(n) != jnp.shape(o):
         raise ValueError(
-          f'{self.name}: {self.disc.describe(i)} changes shape inside the loop, '
-          f'from {jnp.shape(o)} to {jnp.shape(n)}; loop-carried Variables must keep their shape'
+          f'{self.name}: {self.disc.describe(i)} changes shape {inside}, '
+          f'from {jnp.shape(o)} to {jnp.shape(n)}; {kept} must keep their shape'
         )
       if _is_key(n):
         return n
       if jnp.result_type(n) != jnp.result_type(o) and not jax.typeof(n).weak_type:
         raise ValueError(
-          f'{self.name}: {self.disc.describe(i)} changes dtype inside the loop, from '
-          f'{jnp.result_type(o)} to {jnp.result_type(n)}; loop-carried Variables must keep their '
+          f'{self.name}: {self.disc.describe(i)} changes dtype {inside}, from '
+          f'{jnp.result_type(o)} to {jnp.result_type(n)}; {kept} must keep their '
           'dtype: cast the new value back, e.g. `v[...] = new.astype(v.dtype)`'
         )
       return jax.lax.convert_element_type(n, jnp.result_type(o))
@@ -219,39 +241,30 @@ def _dyn_leaves(x) -> list:
 
 
 def _step_example(xs):
-  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), xs)
+  """One step's ``x``: abstract slices of the arrays; graph nodes as they are (their stacked
+  Variables are sliced by the body, see :mod:`scan_state`)."""
+  return jax.tree.map(
+    lambda a: a if is_graph_node(a) else jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)),
+    xs, is_leaf=is_graph_node,
+  )
 
 
-def _scan_parts(f, init, xs, name, state_in_axes=None):
+def _scan_parts(f, init, xs, name, state_in_axes=None, keep_new=True):
   args = (init, _step_example(xs))
   disc = discover(f, args, {})
-  sliced = _sliced(disc, state_in_axes, name)
-  body = _Body(f, args, name, disc, sliced, keep_new=name == 'scan')
+  state = scan_state.step_state(disc, state_in_axes, name)
+  body = _Body(f, args, name, disc, state.sliced, keep_new=keep_new, fixed=state.fixed)
   n_carry = _pair_layout(body, init)
-  return body, n_carry
+  return body, n_carry, state
 
 
-def _sliced(disc: Discovery, state_in_axes, name: str) -> tuple[int, ...]:
-  """Indices of the Variables ``state_in_axes`` scans over (stacked on axis 0)."""
-  if state_in_axes is None:
-    return ()
-  rules = AxisRules(dict(state_in_axes), 'state_in_axes')
-  sliced = []
-  for i, (path, var) in enumerate(zip(disc.paths, disc.variables)):
-    hit, axis = rules.axis_of(path, var)
-    if hit and axis is not None:
-      if axis != 0:
-        raise ValueError(f'{name}: state_in_axes scans over axis 0 only; {disc.describe(i)} is given axis {axis}')
-      sliced.append(i)
-  return tuple(sliced)
-
-
-def _rules_key(state_in_axes):
+def _rules_key(state_in_axes, name: str = 'scan'):
   """``state_in_axes`` as a hashable tuple of ``(axis, filter)`` (the eager cache's key)."""
   if state_in_axes is None:
     return None
   if isinstance(state_in_axes, nnx.StateAxes):  # flax's {filter: axis}, in its order
     state_in_axes = layer_checks.from_state_axes(state_in_axes)
+  scan_state.check_scan_rules(state_in_axes, name)
   items = state_in_axes.items() if isinstance(state_in_axes, dict) else [(0, state_in_axes)]
   return tuple((axis, tuple(f) if isinstance(f, list) else f) for axis, f in items)
 
@@ -342,19 +355,20 @@ def scan(
   """
   _check_callable(f, 'scan')
   bar, rest = _split_pbar(pbar)
-  return run(_scan_impl, (f, bar), (length, reverse, unroll, rest, _rules_key(state_in_axes)), (init, xs))
+  return run(_scan_impl, (f, bar), (length, reverse, unroll, rest, _rules_key(state_in_axes, 'scan')), (init, xs))
 
 
-def _scan_impl(f, bar, init, xs, length, reverse, unroll, pbar, state_in_axes=None, layers_check=True):
-  if state_in_axes is not None and length is None and not jax.tree.leaves(xs):
-    length = _stacked_length(f, init, xs, state_in_axes)
-  n = leading_length(xs, length, 'scan')
+def _scan_impl(f, bar, init, xs, length, reverse, unroll, pbar, state_in_axes=None, name='scan', layers_check=True):
+  over_nodes = scan_state.holds_nodes(xs)
+  if (state_in_axes is not None or over_nodes) and length is None and not _dyn_leaves(xs):
+    length = _stacked_length(f, init, xs, state_in_axes, name)
+  n = leading_length(xs, length, name)
   runner = runner_for(bar or pbar, n)
-  if _in_python() and state_in_axes is None:
+  if _in_python() and state_in_axes is None and not over_nodes:
     return _all_or_nothing(f, (init, xs), lambda: _python_scan(f, init, xs, n, reverse, runner))
   layers_check = layers_check and not stacks_exempt(f)
   try:
-    body, n_carry = _scan_parts(f, init, xs, 'scan', state_in_axes)
+    body, n_carry, state = _scan_parts(f, init, xs, name, state_in_axes)
   except Exception as e:
     if layers_check and not isinstance(e, BatchAxisError):
       layer_checks.explain_failure(discover(f, (init, _step_example(xs)), {}), n, state_in_axes, e)
@@ -362,45 +376,41 @@ def _scan_impl(f, bar, init, xs, length, reverse, unroll, pbar, state_in_axes=No
   if layers_check:
     layer_checks.check_read_stacks(body.disc, body.trace, body.sliced, n, state_in_axes)
   stacked = [body.values[i] for i in body.sliced]
-  for i, value in zip(body.sliced, stacked):
-    sizes = {jnp.shape(leaf)[0] if jnp.ndim(leaf) else None for leaf in jax.tree.leaves(value)}
-    if sizes != {n}:
-      raise ValueError(
-        f'scan: {body.disc.describe(i)} is scanned over (state_in_axes) but its leading axis is '
-        f'{sorted(sizes, key=str)}, not the loop length {n}'
-      )
+  scan_state.check_stacked(body.disc, state, body.values, n, name)
+  fixed_values = [body.values[i] for i in body.fixed]
+  fixed_written = scan_state.fixed_writes(body.disc, state, body.trace.written, name)
+  keep = [k for k, i in enumerate(body.fixed) if i in fixed_written]  # per-step outputs of fixed ones
 
   def step(carry, x):
     (written, leaves, counter), (x_leaves, slices) = carry, x
-    written, out, slices, created = body.run_step(written, leaves + x_leaves, slices)
+    written, out, per_step, created = body.run_step(written, leaves + x_leaves, list(slices) + fixed_values)
+    slices, fixed_out = per_step[: len(body.sliced)], per_step[len(body.sliced) :]
     new_leaves, y = out[:n_carry], out[n_carry:]
     if runner:
       run_id, i = counter
       runner.step(run_id, i, _rebuild_part(body, out, 0), _rebuild_part(body, out, 1))
       counter = (run_id, i + 1)
-    return (written, new_leaves, counter), (y, slices, created)
+    return (written, new_leaves, counter), (y, slices, [fixed_out[k] for k in keep], created)
 
   counter = (runner.start(), jnp.int32(0)) if runner else None
-  (written, leaves, _), (ys, slices, created) = jax.lax.scan(
+  (written, leaves, _), (ys, slices, fixed_out, created) = jax.lax.scan(
     step, (body.initial_written(), _dyn_leaves(init), counter), (_dyn_leaves(xs), stacked),
     length=n, reverse=reverse, unroll=unroll,
   )
   body.write_back(written)
   sliced_written = [k for k, i in enumerate(body.sliced) if i in body.trace.written]
   write_values(body.disc, [body.sliced[k] for k in sliced_written], [slices[k] for k in sliced_written])
+  if n:  # a fixed stream's count: what one step leaves (every step leaves the same)
+    write_values(body.disc, fixed_written, [jax.tree.map(lambda a: a[-1], v) for v in fixed_out])
   adopt_new(body.last_trace.new_vars, body.last_trace.new_nodes, created)  # stacked over the steps
   return body.trace.out_spec.rebuild(list(leaves) + list(ys), body.disc)
 
 
-def _stacked_length(f, init, xs, state_in_axes) -> int:
+def _stacked_length(f, init, xs, state_in_axes, name='scan') -> int | None:
   """The loop length a scan over stacked Variables alone takes: their leading axis."""
-  disc = discover(f, (init, xs), {})
+  disc = discover(f, (init, _step_example(xs)), {})
   layer_checks.check_rules(disc, state_in_axes)
-  for i in _sliced(disc, state_in_axes, 'scan'):
-    leaves = jax.tree.leaves(_compat.raw_value(disc.variables[i]))
-    if leaves and jnp.ndim(leaves[0]):
-      return int(jnp.shape(leaves[0])[0])
-  return None
+  return scan_state.stacked_length(disc, scan_state.step_state(disc, state_in_axes, name))
 
 
 def _rebuild_part(body: _Body, leaves, which: int):
@@ -464,12 +474,12 @@ def for_loop(
   """
   _check_callable(f, 'for_loop')
   bar, rest = _split_pbar(pbar)
-  return run(_for_impl, (f, bar), (length, reverse, unroll, rest, _rules_key(state_in_axes)), xs)
+  return run(_for_impl, (f, bar), (length, reverse, unroll, rest, _rules_key(state_in_axes, 'for_loop')), xs)
 
 
 def _for_impl(f, bar, *args):
   *xs, length, reverse, unroll, pbar, state_in_axes = args
-  return _scan_impl(_for_body(f), bar, None, tuple(xs), length, reverse, unroll, pbar, state_in_axes)[1]
+  return _scan_impl(_for_body(f), bar, None, tuple(xs), length, reverse, unroll, pbar, state_in_axes, 'for_loop')[1]
 
 
 # -- checkpointed loops -------------------------------------------------------------
@@ -483,6 +493,8 @@ def _check_base(base) -> int:
 
 def _digits(length: int, base: int) -> list[tuple[int, int]]:
   """``length`` in base ``base``: ``[(depth, digit), ...]``, most significant first."""
+  if length < 0:
+    raise ValueError(f'checkpointed loops need a non-negative length, got {length}')
   digits, depth = [], 0
   while length:
     length, digit = divmod(length, base)
@@ -508,6 +520,8 @@ def _nested_scan(step, carry, length: int, base: int):
     below = jax.checkpoint(block(depth - 1), prevent_cse=False)
     return lambda c, _: jax.lax.scan(below, c, None, length=base)
 
+  if length == 0:  # as jax.lax.scan: the carry as given, every output with a leading axis of 0
+    return jax.lax.scan(step, carry, None, length=0)
   pieces = []
   for depth, count in _digits(length, base):
     body = step if depth == 0 else jax.checkpoint(block(depth), prevent_cse=False)
@@ -561,14 +575,17 @@ def checkpointed_scan(
   return run(_checkpointed_impl, (f, bar), (length, base, rest), (init, xs))
 
 
-def _checkpointed_impl(f, bar, init, xs, length, base, pbar):
-  n = leading_length(xs, length, 'checkpointed_scan')
-  if n == 0:
-    raise ValueError('checkpointed_scan: zero-length loops are not supported')
+def _checkpointed_impl(f, bar, init, xs, length, base, pbar, name='checkpointed_scan'):
+  if scan_state.holds_nodes(xs):
+    raise TypeError(
+      f'{name}: xs holds a graph node (a Module or Rngs); scanning over stacked Variables is '
+      'done by scan and for_loop: use one of them (under brainnx.remat for less memory)'
+    )
+  n = leading_length(xs, length, name)
   runner = runner_for(bar or pbar, n)
-  if _in_python():
+  if _in_python() and n:
     return _all_or_nothing(f, (init, xs), lambda: _python_scan(f, init, xs, n, False, runner))
-  body, n_carry = _scan_parts(f, init, xs, 'checkpointed_scan')
+  body, n_carry, _ = _scan_parts(f, init, xs, name, keep_new=False)
 
   xs_leaves = _dyn_leaves(xs)
 
@@ -576,7 +593,10 @@ def _checkpointed_impl(f, bar, init, xs, length, base, pbar):
     written, leaves, (run_id, i) = carry
     # inputs are read by index from the (loop-constant) xs, so that the checkpointed
     # levels keep only carries as residuals, never slices of xs
-    x_leaves = [jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in xs_leaves]
+    x_leaves = [  # a zero-length loop only traces its step: a slice of nothing is zeros
+      jax.lax.dynamic_index_in_dim(x, i, keepdims=False) if n else jnp.zeros(jnp.shape(x)[1:], jnp.result_type(x))
+      for x in xs_leaves
+    ]
     written, out = body.run(written, leaves + x_leaves)
     if runner:
       runner.step(run_id, i, _rebuild_part(body, out, 0), _rebuild_part(body, out, 1))
@@ -629,7 +649,7 @@ def checkpointed_for_loop(f: Callable, *xs, length: int | None = None, base: int
 
 def _checkpointed_for_impl(f, bar, *args):
   *xs, length, base, pbar = args
-  return _checkpointed_impl(_for_body(f), bar, None, tuple(xs), length, base, pbar)[1]
+  return _checkpointed_impl(_for_body(f), bar, None, tuple(xs), length, base, pbar, 'checkpointed_for_loop')[1]
 
 
 # -- while and fori ---------------------------------------------------------------
@@ -765,7 +785,7 @@ def _fori_impl(body_fun, bar, init_val, lo, hi, pbar):
   step.__wrapped__ = body_fun
   if hi <= lo:
     return init_val
-  return _scan_impl(step, bar, init_val, jnp.arange(lo, hi), None, False, 1, pbar, layers_check=False)[0]
+  return _scan_impl(step, bar, init_val, jnp.arange(lo, hi), None, False, 1, pbar, None, 'fori_loop', layers_check=False)[0]
 
 
 def _fori_while(lower, upper, body_fun, init_val):

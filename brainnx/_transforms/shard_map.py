@@ -28,7 +28,6 @@ from typing import Any, Callable
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from brainnx import _compat
 from brainnx._engine.arguments import ArgKind, CallArgs
 from brainnx._engine.call import StatefulCall
 from brainnx._engine.eager import run
@@ -75,7 +74,7 @@ def shard_map(
     A function with ``f``'s signature returning the global output.
 
   Raises:
-    TypeError: if ``f`` is not callable, a state spec dict is malformed, or a dynamic
+    TypeError: if ``f`` is not callable, ``mesh`` is not a Mesh, a state spec dict is malformed, or a dynamic
       argument is passed by keyword.
     ValueError: if no mesh is given or set, a spec does not divide a Variable's shape (naming
       the Variable), ``in_specs`` has the wrong length or gives a graph node a spec, or ``f``
@@ -90,6 +89,8 @@ def shard_map(
     [1.0, 1.0]
   """
   check_callable(f, 'shard_map')
+  if mesh is not None and not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+    raise TypeError(f'shard_map: mesh must be a jax.sharding.Mesh (or None for the mesh set with jax.set_mesh), got {mesh!r}')
   config = (
     mesh, _hashable(in_specs), _hashable(out_specs),
     Rules.parse(state_in_specs, 'state_in_specs'), Rules.parse(state_out_specs, 'state_out_specs'),

@@ -36,7 +36,7 @@ from flax import nnx
 
 from brainnx import _compat
 from brainnx._engine.arguments import ArgKind, CallArgs, StaticArgs
-from brainnx._engine.discovery import LIBRARY_DIRS, Discovery, RootKind, discover, is_graph_node, key_name
+from brainnx._engine.discovery import LIBRARY_DIRS, Discovery, RootKind, is_graph_node, key_name
 from brainnx._engine.eager import run
 from brainnx._engine.errors import BatchAxisError
 from brainnx._engine.filters import AxisRules, mark_stacked, types_code
@@ -226,6 +226,8 @@ def _layout(cfg: MapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs
         'axis: pass it once, give both arguments the same in_axes, or set its axis with state_in_axes'
       )
 
+  _check_node_aliases(cfg, args, kwargs, arg_axes)
+
   split, presplit = [], []
   for k, c in disc.streams:
     if matched[k]:
@@ -314,6 +316,38 @@ def _layout(cfg: MapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs
     raise ValueError(f'{cfg.name}: inconsistent batch sizes {distinct} ({listing}){hint}')
   vmap_checks.check_stacked_broadcast(cfg, disc, axes, matched, distinct[0], presplit)
   return _Layout(axes, split, tuple(dyn_axes), distinct[0])
+
+
+def _check_node_aliases(cfg: MapConfig, args: tuple, kwargs: dict, arg_axes: list) -> None:
+  """One graph node (a Module, Rngs) passed through two arguments with different batch axes:
+  ``BatchAxisError`` naming both paths, whether or not the function reads it (as ``nnx.vmap``'s
+  "inconsistent aliasing"). Variables ``state_in_axes`` matches take its axis either way."""
+  seen: dict[int, tuple] = {}
+  slots = [(i, a, arg_axes[i], f'in_axes of argument {i}') for i, a in enumerate(args)]
+  slots += [(k, a, 0, f'keyword argument {k!r}') for k, a in kwargs.items()]
+  for name, value, spec, source in slots:
+    leaves = jax.tree_util.tree_flatten_with_path(value, is_leaf=is_graph_node)[0]
+    for key_path, node in leaves:
+      if not is_graph_node(node) or isinstance(node, nnx.Variable):
+        continue  # a bare Variable passed twice is the discovery's alias check
+      head = (name,) + tuple(key_name(k) for k in key_path)
+      for sub, var in nnx.iter_graph(node):
+        if not isinstance(var, nnx.Variable):
+          continue
+        path = head + tuple(sub)
+        if cfg.state_in.axis_of(path, var)[0]:
+          continue
+        axis = _axis_at(spec, path[1:], f'argument {name}')
+        ndim = max((jnp.ndim(x) for x in jax.tree.leaves(_compat.raw_value(var))), default=0)
+        norm = _normalized(axis, ndim) if axis is not None else None
+        first = seen.setdefault(id(var), (path, axis, norm, source))
+        if first[2] != norm:
+          raise BatchAxisError(
+            f'{cfg.name}: one graph node is passed twice with different batch axes: its '
+            f'{type(var).__name__} is reached as {first[0]!r} with axis {first[1]} ({first[3]}) and as '
+            f'{path!r} with axis {axis} ({source}). One Variable has one batch axis: pass the node '
+            'once, give both arguments the same in_axes, or set its axis with state_in_axes'
+          )
 
 
 def _decide(cfg: MapConfig, disc: Discovery, i: int, in_axis, batched: bool):
@@ -411,6 +445,36 @@ def _out_leaf_axes(cfg: MapConfig, spec) -> list:
   return axes
 
 
+def _check_unbatched_outputs(cfg: MapConfig, spec, leaves: list, axes: list, batched) -> None:
+  """An output placed unbatched (``out_axes=None``, or ``state_out_axes=None`` for a Variable of
+  a Module created inside) that depends on the batch: ``BatchAxisError`` naming the Variable, or
+  ``ValueError`` for a plain output."""
+  it = iter(zip(leaves, axes))
+  for slot in spec.slots:
+    if type(slot) is Leaf:
+      leaf, axis = next(it)
+      if axis is None and batched(leaf):
+        raise ValueError(f'{cfg.name}: an output has out_axes=None but depends on the batch')
+    elif type(slot) is New:
+      for var_path, var in slot.leaf_vars:
+        leaf, axis = next(it)
+        if axis is None and batched(leaf):
+          declared, rule = cfg.state_out.axis_of(var_path, var)
+          how = 'state_out_axes=None (one shared copy)' if declared else 'out_axes=None'
+          raise BatchAxisError(
+            f'{cfg.name}: {type(var).__name__} at {tuple(var_path)!r} of the {_created_type(slot.graphdef)} created '
+            f'inside is declared {how} but its value differs per batch element: give it a batch axis, '
+            'e.g. state_out_axes={0: <its filter>}, or make it independent of the batch'
+          )
+
+
+def _created_type(graphdef) -> str:
+  """The class name of the node a graphdef describes (its root node), else ``'Module'``."""
+  nodes = getattr(graphdef, 'nodes', None)
+  root_type = getattr(nodes[0], 'type', None) if nodes else None
+  return root_type.__name__ if isinstance(root_type, type) else 'Module'
+
+
 def _warn_identical_members(cfg: MapConfig, spec, leaves: list, axes: list, batched) -> None:
   """Warn when no Param of a Module created inside depends on the batch: every member of the
   stack would be the same (an ``nnx.Rngs`` made inside the mapped function)."""
@@ -461,8 +525,8 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
   # jax caches pmapped functions by identity, keeping ``body`` alive: it must not hold tracers
   stateful.call = dataclasses.replace(stateful.call, dyn=())
   state_in = list(values)
-  for k, c in layout.split_streams:
-    state_in[k] = split_per_element(values[k], values[c], layout.size)
+  for k, c in layout.split_streams:  # an empty batch runs as one element (see _one_of_zeros)
+    state_in[k] = split_per_element(values[k], values[c], max(layout.size, 1))
   stream_vars = {i for pair in layout.split_streams for i in pair}
   if cfg.mapper is Mapper.PMAP:
     devices = dict(cfg.pmap_kwargs).get('devices') or jax.local_devices(backend=dict(cfg.pmap_kwargs).get('backend'))
@@ -487,9 +551,7 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
     if not decisions.is_set:  # pmap: decisions come from the abstract vmap pass
       batched = lambda x: any(_compat.is_batched_here(leaf, trace) for leaf in jax.tree.leaves(x))  # noqa: E731
       out_axes = _out_leaf_axes(cfg, out_spec)
-      for leaf, axis in zip(out_leaves, out_axes):
-        if axis is None and batched(leaf):
-          raise ValueError(f'{cfg.name}: an output has out_axes=None but depends on the batch')
+      _check_unbatched_outputs(cfg, out_spec, out_leaves, out_axes, batched)
       _warn_identical_members(cfg, out_spec, out_leaves, out_axes, batched)
       decisions.set(_Decisions(
         new_vars=step.new_vars,
