@@ -197,3 +197,17 @@ def test_dev_extra_installs_notebook_and_docs_tools():
   dev = {re.split(r'[<>=\[ ]', d)[0].lower() for d in project['optional-dependencies']['dev']}
   assert {'pytest', 'nbmake', 'nbconvert', 'notebook', 'ipykernel', 'matplotlib', 'sphinx', 'myst-nb'} <= dev
   assert not any(d.startswith('matplotlib') for d in project['dependencies'])  # the demo runs without it
+
+
+def test_nothing_in_the_repository_cites_a_document_outside_it():
+  files = subprocess.run(['git', 'ls-files'], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+  outside = re.compile(r'\bAPI\.md\b|\.\./shared|/work/|COMMON\.md')
+  cited = []
+  for name in files:
+    path = ROOT / name
+    if path.suffix not in ('.py', '.md', '.toml', '.ipynb', '.cfg', '.txt') or not path.exists():
+      continue
+    for k, line in enumerate(path.read_text(errors='replace').splitlines(), 1):
+      if outside.search(line) and name != 'tests/test_docs.py':  # this file names the patterns
+        cited.append(f'{name}:{k}: {line.strip()[:120]}')
+  assert not cited, '\n'.join(cited)
