@@ -1,17 +1,29 @@
-"""The main job: train an MLP ensemble with optax on synthetic 1-D data.
+"""The main job: Figure 1 of Deep Ensembles, an ensemble trained in one compiled loop.
 
-Run ``python -m brainnx.demo`` (``--help`` for flags). It makes a noisy
-regression set in code (no download), creates an ensemble in one line
-(``brainnx.vmap`` over the constructor: every member gets its own RNG keys),
-gives each member its own ``nnx.Optimizer`` (adam), trains all members in one
-compiled loop with a progress bar, prints each member's final loss, the
-ensemble's error on a held-out grid and where the true function leaves the
-ensemble's band, and writes ``ensemble.png`` (when matplotlib is installed).
+Run ``python -m brainnx.demo`` (``--help`` for flags). It reproduces the toy
+regression of Lakshminarayanan, Pritzel & Blundell, "Simple and Scalable
+Predictive Uncertainty Estimation using Deep Ensembles" (NeurIPS 2017),
+Figure 1: 20 points ``x ~ U[-4, 4]``, ``y = x**3 + eps`` with
+``eps ~ N(0, 3**2)``; 5 members, each one hidden layer of 100 ReLU units that
+predicts a mean and a variance (softplus + 1e-6), trained on the Gaussian
+negative log-likelihood with adam; ``--adversarial`` adds the paper's
+adversarial training (fast gradient sign, ``eps = 0.01 * range(x)``).
 
-With ``--checkpoint-dir DIR`` the ensemble, its optimizers and the loss
-history are saved with orbax every ``--checkpoint-every`` steps; running the
-same command again resumes from the latest checkpoint, and the resumed run
-ends exactly where an uninterrupted one does.
+The members are built stacked by one ``brainnx.vmap`` over the constructor
+(every member draws its own initial keys), each gets its own adam state, and
+all of them train together in one ``brainnx.jit`` program: a
+``brainnx.for_loop`` over the steps with a ``brainnx.ProgressBar``. The run
+prints the predictive standard deviation of the ensemble (a uniform mixture of
+the members' Gaussians) inside the data range (``|x| <= 4``) and outside it
+(``4 < |x| <= 6``) with their ratio, and writes ``ensemble.png`` (data, the
+true function, the mixture mean ± 3 std) when matplotlib is installed.
+
+With ``--checkpoint-dir DIR`` the ensemble, its optimizers and a fixed-size
+record (step, first and last loss of every member) are saved with orbax every
+``--checkpoint-every`` steps, and each chunk's losses are appended to
+``DIR/losses.f32``, so a save costs the same at step 100 as at step 100,000.
+Running the same command again resumes from the latest checkpoint, and the
+resumed run ends exactly where an uninterrupted one does.
 
 With ``--devices N`` the members are split over the first N devices (a mesh
 axis ``'ens'``; on CPU, ``XLA_FLAGS=--xla_force_host_platform_device_count=N``
@@ -24,7 +36,10 @@ every process's devices; the result equals a one-process run.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,38 +52,48 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import brainnx as bnx
 
+DATA_RANGE = 4.0  # x ~ U[-DATA_RANGE, DATA_RANGE]
+GRID_RANGE = 6.0  # predictions on [-GRID_RANGE, GRID_RANGE]
+NOISE_STD = 3.0
+MIN_VARIANCE = 1e-6
+
 
 class MLP(nnx.Module):
-  """1 -> hidden -> hidden -> 1 regressor."""
+  """1 -> ``hidden`` ReLU -> (mean, variance): the paper's toy network.
+
+  ``model(x)`` for ``x`` of shape ``(n, 1)`` is ``(n, 2)``: column 0 the mean,
+  column 1 the variance ``softplus(.) + 1e-6``.
+  """
 
   def __init__(self, hidden: int, *, rngs: nnx.Rngs):
     self.l1 = nnx.Linear(1, hidden, rngs=rngs)
-    self.l2 = nnx.Linear(hidden, hidden, rngs=rngs)
-    self.l3 = nnx.Linear(hidden, 1, rngs=rngs)
+    self.l2 = nnx.Linear(hidden, 2, rngs=rngs)
 
   def __call__(self, x):
-    x = jnp.tanh(self.l1(x))
-    x = jnp.tanh(self.l2(x))
-    return self.l3(x)
+    out = self.l2(jax.nn.relu(self.l1(x)))
+    return jnp.concatenate([out[:, :1], jax.nn.softplus(out[:, 1:]) + MIN_VARIANCE], axis=-1)
 
 
 def target(x):
-  return jnp.sin(2.0 * x) + 0.3 * x
+  return x**3
 
 
-def make_data(seed: int, n: int = 128):
-  """Two clusters of noisy samples, and a held-out grid spanning the gap and beyond."""
+def make_data(seed: int, n: int = 20):
+  """``n`` noisy samples of ``x**3`` on ``[-4, 4]`` and a grid on ``[-6, 6]`` (shapes ``(n, 1)``, ``(241, 1)``)."""
   kx, kn = jax.random.split(jax.random.key(seed))
-  x = jax.random.uniform(kx, (n, 1), minval=1.0, maxval=3.0) * jnp.where(jnp.arange(n)[:, None] % 2 == 0, 1.0, -1.0)
-  y = target(x) + 0.1 * jax.random.normal(kn, (n, 1))
-  grid = jnp.linspace(-4.0, 4.0, 200)[:, None]
+  x = jax.random.uniform(kx, (n, 1), minval=-DATA_RANGE, maxval=DATA_RANGE)
+  y = target(x) + NOISE_STD * jax.random.normal(kn, (n, 1))
+  grid = jnp.linspace(-GRID_RANGE, GRID_RANGE, 241)[:, None]
   return x, y, grid
 
 
-IMAGE_SUFFIXES = ('.png', '.pdf', '.svg', '.jpg', '.jpeg')
+def gaussian_nll(out, y):
+  """Mean negative log-likelihood of ``y`` under ``N(out[:, 0], out[:, 1])``, without the constant."""
+  mean, var = out[:, :1], out[:, 1:]
+  return (0.5 * jnp.log(var) + 0.5 * (y - mean) ** 2 / var).mean()
 
 
-def build(members: int, seed: int, hidden: int = 64, lr: float = 1e-2):
+def build(members: int, seed: int, hidden: int = 100, lr: float = 1e-2):
   """The stacked ensemble (one ``bnx.vmap`` over the constructor) and one adam optimizer per member."""
   rngs = nnx.Rngs(seed)
   ensemble = bnx.vmap(lambda: MLP(hidden, rngs=rngs), axis_size=members)()
@@ -76,18 +101,27 @@ def build(members: int, seed: int, hidden: int = 64, lr: float = 1e-2):
   return ensemble, optimizers
 
 
-def make_trainer(ensemble, optimizers, mesh=None):
+def make_trainer(ensemble, optimizers, mesh=None, adversarial: float | None = None):
   """``run(steps, x, y) -> losses (steps, members)``: ``steps`` adam steps of every member in one
   compiled loop (one program per distinct ``steps``), with a progress bar.
 
-  The parameters and adam state are donated (``donate_states=True``): XLA updates them in place.
-  With a ``mesh`` (axis ``'ens'``) every Variable is laid out ``P('ens')`` (``state_shardings``),
-  so each device holds and steps its own members (``spmd_axis_name='ens'``).
+  ``adversarial=eps`` adds the loss at the fast-gradient-sign point ``x + eps * sign(d loss / dx)``
+  (the paper's adversarial training). The parameters and adam state are donated
+  (``donate_states=True``): XLA updates them in place. With a ``mesh`` (axis ``'ens'``) every
+  Variable is laid out ``P('ens')`` (``state_shardings``), so each device holds and steps its own
+  members (``spmd_axis_name='ens'``).
   """
+
+  def loss_fn(model, x, y):
+    loss = gaussian_nll(model(x), y)
+    if adversarial:
+      dx = bnx.grad(lambda x: gaussian_nll(model(x), y), argnums=0)(x)
+      loss = loss + gaussian_nll(model(x + adversarial * jnp.sign(dx)), y)
+    return loss
 
   @bnx.vmap(in_axes=(0, 0, None, None), spmd_axis_name=None if mesh is None else 'ens')
   def train_step(model, opt, x, y):
-    loss, grads = bnx.value_and_grad(lambda m: ((m(x) - y) ** 2).mean(), argnums=0)(model)
+    loss, grads = bnx.value_and_grad(loss_fn, argnums=0)(model, x, y)
     opt.update(model, grads)
     return loss
 
@@ -96,12 +130,17 @@ def make_trainer(ensemble, optimizers, mesh=None):
   def loop(steps: int, x, y):
     pbar = bars.setdefault(steps, bnx.ProgressBar(
       count=min(20, steps), disable=jax.process_index() != 0,
-      desc=('loss (mean over members) {loss:.4f}', lambda d: {'loss': d['y'].mean()})))
+      desc=('nll (mean over members) {loss:.3f}', lambda d: {'loss': d['y'].mean()})))
     # numpy step indices: the same value in every process, as jax.distributed needs
     return bnx.for_loop(lambda _: train_step(ensemble, optimizers, x, y), np.arange(steps), pbar=pbar)
 
   layout = None if mesh is None else {NamedSharding(mesh, P('ens')): ...}
   return bnx.jit(loop, static_argnums=0, donate_states=True, state_shardings=layout)
+
+
+def adversarial_epsilon(x) -> float:
+  """The paper's step: 1% of the range of the training inputs."""
+  return 0.01 * float(np.ptp(np.asarray(x)))
 
 
 def make_mesh(devices: int | None):
@@ -130,24 +169,51 @@ def to_host(x) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def train(members: int, steps: int, seed: int, hidden: int = 64, lr: float = 1e-2):
+def train(members: int = 5, steps: int = 5000, seed: int = 0, hidden: int = 100, lr: float = 1e-2,
+          adversarial: bool = False):
   """Train the ensemble; returns (ensemble, per-step losses of shape (steps, members), data)."""
   x, y, grid = make_data(seed)
   ensemble, optimizers = build(members, seed, hidden, lr)
-  losses = make_trainer(ensemble, optimizers)(steps, x, y)
+  losses = make_trainer(ensemble, optimizers, adversarial=adversarial_epsilon(x) if adversarial else None)(steps, x, y)
   return ensemble, losses, (x, y, grid)
+
+
+# ------------------------------------------------------------------ predictions
+
+
+def predict(ensemble, grid) -> np.ndarray:
+  """Every member's (mean, variance) on ``grid``: shape ``(members, len(grid), 2)``."""
+  return to_host(bnx.vmap(lambda m, g: m(g), in_axes=(0, None))(ensemble, grid))
+
+
+def mixture(preds: np.ndarray):
+  """Mean and std of the uniform mixture of the members' Gaussians (the paper's ensemble prediction)."""
+  means, variances = preds[..., 0], preds[..., 1]
+  mean = means.mean(0)
+  variance = (variances + means**2).mean(0) - mean**2
+  return mean, np.sqrt(np.maximum(variance, 0.0))
+
+
+def std_report(grid, std) -> dict:
+  """Mean predictive std inside the data range (``|x| <= 4``) and outside it (``4 < |x| <= 6``)."""
+  g = np.abs(np.asarray(grid)[:, 0])
+  inside, outside = float(std[g <= DATA_RANGE].mean()), float(std[g > DATA_RANGE].mean())
+  return {'std_inside': inside, 'std_outside': outside, 'std_ratio': outside / inside}
 
 
 # ------------------------------------------------------------------ checkpoints
 
 
 class Checkpoints:
-  """Orbax checkpoints of ``{'model', 'optimizers', 'losses'}`` plus the run's settings.
+  """Orbax checkpoints of ``{'model', 'optimizers', 'record'}`` plus the run's settings.
 
-  Each checkpoint is a step folder of ``directory`` (the latest two are kept).
-  ``restore`` loads into the given (freshly built) ensemble and optimizers with
-  ``nnx.update``, so the Variables keep their identity, and returns the step
-  and the loss history so far.
+  Each checkpoint is a step folder of ``directory`` (the latest two are kept);
+  ``record`` is fixed-size (``first``, ``last``: each member's first and latest
+  loss), so every save writes the same number of bytes. The losses of every
+  step go to ``directory/losses.f32`` (float32, ``members`` per step),
+  appended once per chunk. ``restore`` loads into the given (freshly built)
+  ensemble and optimizers with ``nnx.update``, so the Variables keep their
+  identity.
   """
 
   def __init__(self, directory: Path, settings: dict):
@@ -155,9 +221,11 @@ class Checkpoints:
 
     self._ocp = ocp
     self.settings = settings
+    self.directory = Path(directory).absolute()
     self.manager = ocp.CheckpointManager(
-      Path(directory).absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+      self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
     )
+    self.log = self.directory / 'losses.f32'
 
   def latest_step(self):
     return self.manager.latest_step()
@@ -166,89 +234,100 @@ class Checkpoints:
     ocp = self._ocp
     return dict(self.manager.restore(step, args=ocp.args.Composite(settings=ocp.args.JsonRestore())).settings)
 
-  def save(self, step: int, ensemble, optimizers, losses) -> None:
+  def append_losses(self, losses: np.ndarray) -> None:
+    with open(self.log, 'ab') as f:
+      f.write(np.asarray(losses, '<f4').tobytes())
+
+  def save(self, step: int, ensemble, optimizers, record: dict) -> None:
     ocp = self._ocp
-    state = {'model': nnx.state(ensemble), 'optimizers': nnx.state(optimizers), 'losses': jnp.asarray(losses)}
+    state = {'model': nnx.state(ensemble), 'optimizers': nnx.state(optimizers), 'record': record}
     self.manager.save(step, args=ocp.args.Composite(
       state=ocp.args.StandardSave(state), settings=ocp.args.JsonSave(self.settings)))
     self.manager.wait_until_finished()
 
-  def restore(self, step: int, ensemble, optimizers):
+  def restore(self, step: int, ensemble, optimizers) -> dict:
     ocp = self._ocp
     members = self.settings['members']
+    record = {'first': np.zeros(members, np.float32), 'last': np.zeros(members, np.float32)}
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {
-      'model': nnx.state(ensemble), 'optimizers': nnx.state(optimizers),
-      'losses': jnp.zeros((step, members), jnp.float32)})
+      'model': nnx.state(ensemble), 'optimizers': nnx.state(optimizers), 'record': record})
     state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))).state
     nnx.update(ensemble, state['model'])
     nnx.update(optimizers, state['optimizers'])
-    return np.asarray(state['losses'])
+    # a run stopped between appending a chunk's losses and saving its checkpoint logged steps
+    # that the checkpoint does not hold: they are trained again, so drop them from the log
+    keep = step * members * 4
+    if self.log.exists() and self.log.stat().st_size > keep:
+      os.truncate(self.log, keep)
+    return {k: np.asarray(v) for k, v in state['record'].items()}
+
+  def losses(self, step: int) -> np.ndarray:
+    """The logged losses of steps ``1..step``, shape ``(step, members)`` (NaN where the log lacks them)."""
+    members = self.settings['members']
+    logged = np.fromfile(self.log, '<f4') if self.log.exists() else np.zeros(0, np.float32)
+    out = np.full(step * members, np.nan, np.float32)
+    out[: min(len(logged), len(out))] = logged[: len(out)]
+    return out.reshape(step, members)
 
   def close(self) -> None:
     self.manager.close()
 
 
-# ------------------------------------------------------------------ report and plot
+# ------------------------------------------------------------------ plot
 
 
-def band_report(grid, truth, preds, width: float = 2.0):
-  """Where the true function lies outside ``mean ± width * std`` of the members.
+IMAGE_SUFFIXES = ('.png', '.pdf', '.svg', '.jpg', '.jpeg')
 
-  Returns ``(fraction of grid points outside, [(x_start, x_end), ...] intervals)``.
+
+def resolve_out(out: str) -> Path:
+  """``--out``: an image path (``.png``, ``.pdf``, ``.svg``, ``.jpg``) or a directory for ``ensemble.png``.
+
+  Raises:
+    ValueError: if ``out`` is not an existing directory, does not end with ``/``, and its suffix is
+      not one of those image types (``x.gif`` would otherwise become a directory).
   """
-  g = np.asarray(grid)[:, 0]
-  mean, std = preds.mean(0), preds.std(0)
-  outside = np.abs(truth - mean) > width * std
-  intervals, start = [], None
-  for i, out in enumerate(outside):
-    if out and start is None:
-      start = i
-    if start is not None and (not out or i == len(outside) - 1):
-      end = i if out else i - 1
-      intervals.append((float(g[start]), float(g[end])))
-      start = None
-  return float(outside.mean()), intervals
+  path = Path(out)
+  if path.is_dir() or out.endswith(('/', os.sep)) or not path.suffix:
+    return path / 'ensemble.png'
+  if path.suffix.lower() in IMAGE_SUFFIXES:
+    return path
+  raise ValueError(
+    f'--out {out}: {path.suffix!r} is not an image type the demo writes ({", ".join(IMAGE_SUFFIXES)}); '
+    f'give an image path such as {path.with_suffix(".png")}, or a directory (end it with "/" if its name has a dot)'
+  )
 
 
-def resolve_out(out: Path) -> Path:
-  """``--out``: an image path (``.png``, ``.pdf``, ``.svg``, ``.jpg``) or a directory for ``ensemble.png``."""
-  if out.suffix.lower() in IMAGE_SUFFIXES and not out.is_dir():
-    return out
-  return out / 'ensemble.png'
-
-
-def predict(ensemble, grid) -> np.ndarray:
-  """Every member's prediction on ``grid``: shape ``(members, len(grid))``."""
-  return to_host(bnx.vmap(lambda m, g: m(g), in_axes=(0, None))(ensemble, grid))[..., 0]
-
-
-def plot(path: Path, preds: np.ndarray, data) -> None:
-  """Members, mean ± 2 std band, truth and data; the grid where the truth leaves the band is shaded."""
+def plot(path: Path, preds: np.ndarray, data, adversarial: bool = False) -> None:
+  """Data, truth, each member's mean, and the mixture mean ± 3 std, as the paper's Figure 1."""
   import matplotlib
 
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
   x, y, grid = (np.asarray(a) for a in data)
-  truth = np.asarray(target(grid)[:, 0])
-  mean, std = preds.mean(0), preds.std(0)
-  g = np.asarray(grid[:, 0])
-  fig, ax = plt.subplots(figsize=(7, 4))
-  for k, (lo, hi) in enumerate(band_report(grid, truth, preds)[1]):
-    ax.axvspan(lo, hi, color='tab:red', alpha=0.08, lw=0, label='truth outside band' if k == 0 else None)
-  ax.fill_between(g, mean - 2 * std, mean + 2 * std, color='tab:blue', alpha=0.2, label='mean ± 2 std')
-  for k, p in enumerate(preds):
-    ax.plot(g, p, color='tab:blue', alpha=0.35, lw=1, label='members' if k == 0 else None)
-  ax.plot(g, mean, color='tab:blue', lw=2, label='ensemble mean')
-  ax.plot(g, truth, 'k--', lw=1, label='true function')
-  ax.scatter(np.asarray(x[:, 0]), np.asarray(y[:, 0]), s=8, color='tab:orange', label='training data', zorder=3)
+  g = grid[:, 0]
+  mean, std = mixture(preds)
+  report = std_report(grid, std)
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  ax.axvspan(-GRID_RANGE, -DATA_RANGE, color='0.93', lw=0)
+  ax.axvspan(DATA_RANGE, GRID_RANGE, color='0.93', lw=0, label='outside the data range')
+  ax.fill_between(g, mean - 3 * std, mean + 3 * std, color='tab:grey', alpha=0.35, label='mixture mean ± 3 std')
+  for k, p in enumerate(preds[..., 0]):
+    ax.plot(g, p, color='tab:red', alpha=0.3, lw=0.8, label='member means' if k == 0 else None)
+  ax.plot(g, mean, color='tab:red', lw=2, label='mixture mean')
+  ax.plot(g, target(g), color='tab:blue', lw=1.5, label='$y = x^3$')
+  ax.scatter(x[:, 0], y[:, 0], s=18, color='black', zorder=3, label='training data (20 points)')
+  ax.set_xlim(-GRID_RANGE, GRID_RANGE)
+  ax.set_ylim(-300, 300)
   ax.set_xlabel('x')
   ax.set_ylabel('y')
-  ax.set_title(f'{len(preds)}-member MLP ensemble (brainnx + optax)')
+  kind = 'NLL + adversarial training' if adversarial else 'NLL'
+  ax.set_title(f'{len(preds)}-member ensemble ({kind}), brainnx + optax: '
+               f'std outside / inside the data = {report["std_ratio"]:.1f}', fontsize=10)
   ax.legend(loc='upper left', fontsize=8)
   fig.tight_layout()
   path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=120)
+  fig.savefig(path, dpi=110)
   plt.close(fig)
 
 
@@ -264,19 +343,24 @@ def _have_matplotlib() -> bool:
 
 
 def _parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog='python -m brainnx.demo', description='Train an MLP ensemble with brainnx and optax.')
-  parser.add_argument('--members', type=int, default=8, help='ensemble size (default 8)')
-  parser.add_argument('--steps', type=int, default=400, help='total adam steps (default 400)')
+  parser = argparse.ArgumentParser(
+    prog='python -m brainnx.demo',
+    description='Figure 1 of Deep Ensembles (Lakshminarayanan et al. 2017): an ensemble of Gaussian MLPs '
+                'on y = x^3 + noise, trained with brainnx and optax.')
+  parser.add_argument('--members', type=int, default=5, help='ensemble size (default 5, as in the paper)')
+  parser.add_argument('--steps', type=int, default=5000, help='total adam steps, full batch (default 5000)')
   parser.add_argument('--seed', type=int, default=0, help='seed for data and initialisation')
-  parser.add_argument('--out', type=Path, default=Path('.'),
-                      help='where the plot goes: an image path such as e4.png (.png/.pdf/.svg/.jpg), '
+  parser.add_argument('--adversarial', action='store_true',
+                      help="add the paper's adversarial training (fast gradient sign, eps = 0.01 * range of x)")
+  parser.add_argument('--out', default='.',
+                      help='where the plot goes: an image path such as fig1.png (.png/.pdf/.svg/.jpg), '
                            'or a directory for ensemble.png (default .)')
   parser.add_argument('--no-plot', action='store_true', help='skip the plot')
   parser.add_argument('--checkpoint-dir', type=Path, default=None,
-                      help='save the ensemble, its optimizers and the losses here with orbax; '
+                      help='save the ensemble, its optimizers and a fixed-size loss record here with orbax; '
                            'if it already holds a checkpoint of the same run, resume from the latest one')
-  parser.add_argument('--checkpoint-every', type=int, default=100,
-                      help='steps between checkpoints with --checkpoint-dir (default 100)')
+  parser.add_argument('--checkpoint-every', type=int, default=500,
+                      help='steps between checkpoints with --checkpoint-dir (default 500)')
   parser.add_argument('--devices', type=int, default=None,
                       help='split the members over the first N devices (a mesh axis "ens"; --members must be a '
                            'multiple of N; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N)')
@@ -300,21 +384,81 @@ def _start_distributed(args, parser) -> None:
   jax.distributed.initialize(args.distributed, num_processes=args.num_processes, process_id=args.process_id)
 
 
+def _check_flags(args, parser) -> None:
+  for flag, value in (('--members', args.members), ('--steps', args.steps), ('--checkpoint-every', args.checkpoint_every)):
+    if value < 1:
+      parser.error(f'{flag} must be at least 1')
+  if args.devices is not None and args.devices < 1:
+    parser.error('--devices must be at least 1')
+  if args.distributed is None and (args.num_processes is not None or args.process_id is not None):
+    parser.error('--num-processes and --process-id go with --distributed')
+
+
+class _HoldInterrupt:
+  """Holds a Ctrl-C that arrives while a checkpoint is written until the write is complete.
+
+  On leaving, a held Ctrl-C is raised as ``KeyboardInterrupt``, so a checkpoint is never left
+  half-written and orbax's writer thread is never interrupted mid-save. (Only in the main
+  thread, where Python delivers signals.)
+  """
+
+  def __enter__(self):
+    self.held, self.previous = False, None
+    if threading.current_thread() is threading.main_thread():
+      self.previous = signal.signal(signal.SIGINT, self._hold)
+    return self
+
+  def _hold(self, signum, frame):
+    self.held = True
+
+  def __exit__(self, kind, value, tb):
+    if self.previous is not None:
+      signal.signal(signal.SIGINT, self.previous)
+    if self.held and kind is None:
+      raise KeyboardInterrupt
+
+
+def _train_with_checkpoints(ckpt, run, ensemble, optimizers, x, y, progress: dict, steps: int, every: int,
+                            lead: bool) -> None:
+  """Train ``progress['step'] -> steps`` in chunks of ``every``; after each chunk log its losses and save.
+
+  ``progress`` holds ``step`` (the latest saved step) and ``record`` (that checkpoint's record).
+  """
+  while progress['step'] < steps:
+    step, record = progress['step'], progress['record']
+    n = min(every, steps - step)
+    if lead:
+      print(f'steps {step + 1}-{step + n}:')
+    losses = to_host(run(n, x, y))
+    first = losses[0] if record is None else record['first']
+    record = {'first': np.asarray(first, np.float32), 'last': losses[-1].astype(np.float32)}
+    with _HoldInterrupt():
+      ckpt.append_losses(losses)
+      ckpt.save(step + n, ensemble, optimizers, record)
+      progress.update(step=step + n, record=record)
+
+
+def _interrupted(ckpt, step: int) -> None:
+  """Ctrl-C: close the checkpoints, say where the run can resume from, exit 130."""
+  if ckpt is not None:
+    with _HoldInterrupt():
+      ckpt.close()
+  if ckpt is None:
+    where = 'before the end of training: nothing was saved (--checkpoint-dir saves as training goes)'
+  elif step:
+    where = f'after step {step}, which is saved: run the same command to resume from there'
+  else:
+    where = 'before the first checkpoint: nothing was saved'
+  print(f'\ninterrupted {where}', file=sys.stderr)
+  raise SystemExit(130)
+
+
 def main(argv=None) -> dict:
   parser = _parser()
   args = parser.parse_args(argv)
-  if args.members < 1:
-    parser.error('--members must be at least 1')
-  if args.steps < 1:
-    parser.error('--steps must be at least 1')
-  if args.checkpoint_every < 1:
-    parser.error('--checkpoint-every must be at least 1')
-  if args.devices is not None and args.devices < 1:
-    parser.error('--devices must be at least 1')
+  _check_flags(args, parser)
   if args.distributed is not None:
     _start_distributed(args, parser)
-  elif args.num_processes is not None or args.process_id is not None:
-    parser.error('--num-processes and --process-id go with --distributed')
   lead = jax.process_index() == 0  # the process that reports, plots and saves
   mesh = None
   if args.devices is not None or args.distributed is not None:
@@ -324,26 +468,30 @@ def main(argv=None) -> dict:
       parser.error(str(e))
     if args.members % mesh.size:
       parser.error(f'--members {args.members} must be a multiple of the {mesh.size} devices it is split over')
-  png = None if args.no_plot or not lead else resolve_out(args.out)
+  png = None
+  if not args.no_plot and lead:
+    try:
+      png = resolve_out(args.out)
+    except ValueError as e:
+      parser.error(str(e))
   if png is not None and not _have_matplotlib():
     print('matplotlib is not installed, so no plot will be written '
           "(pip install matplotlib, or pip install 'brainnx[plot]'; --no-plot silences this)", file=sys.stderr)
     png = None
 
   start = time.perf_counter()
-  hidden, lr = 64, 1e-2
+  hidden, lr = 100, 1e-2
   x, y, grid = make_data(args.seed)
   host_data = tuple(np.asarray(a) for a in (x, y, grid))
   ensemble, optimizers = build(args.members, args.seed, hidden, lr)
+  eps = adversarial_epsilon(x) if args.adversarial else None
   if mesh is not None:
     x, y, grid = replicate(mesh, x, y, grid)
-  run = make_trainer(ensemble, optimizers, mesh)
-  history = np.zeros((0, args.members), np.float32)
-  step = 0
-
-  ckpt = None
+  run = make_trainer(ensemble, optimizers, mesh, adversarial=eps)
+  step, record, ckpt = 0, None, None  # step: the latest step trained (and saved, with checkpoints)
   if args.checkpoint_dir is not None:
-    settings = {'members': args.members, 'seed': args.seed, 'hidden': hidden, 'lr': lr}
+    settings = {'members': args.members, 'seed': args.seed, 'hidden': hidden, 'lr': lr,
+                'adversarial': bool(args.adversarial)}
     ckpt = Checkpoints(args.checkpoint_dir, settings)
     latest = ckpt.latest_step()
     if latest is not None:
@@ -352,68 +500,72 @@ def main(argv=None) -> dict:
         ckpt.close()
         parser.error(f'{args.checkpoint_dir} holds a checkpoint of another run ({saved}); '
                      f'this run is {settings}: pass the same flags or another --checkpoint-dir')
-      history = ckpt.restore(latest, ensemble, optimizers)
+      record = ckpt.restore(latest, ensemble, optimizers)
       step = latest
       print(f'resumed from {args.checkpoint_dir} at step {step}')
-      if step >= args.steps:
-        print(f'the checkpoint is at step {step}, at or past --steps {args.steps}: nothing left to train')
+  resumed_at = step
 
+  progress = {'step': step, 'record': record}
   try:
-    chunk = args.checkpoint_every if ckpt is not None else args.steps
-    while step < args.steps:
-      n = min(chunk, args.steps - step)
-      if ckpt is not None and lead:
-        print(f'steps {step + 1}-{step + n}:')
-      losses = to_host(run(n, x, y))
-      history = np.concatenate([history, losses])
-      step += n
-      if ckpt is not None:
-        ckpt.save(step, ensemble, optimizers, history)
+    if ckpt is None:
+      history = to_host(run(args.steps, x, y))
+      progress['step'] = args.steps
+    else:
+      _train_with_checkpoints(ckpt, run, ensemble, optimizers, x, y, progress, args.steps,
+                              args.checkpoint_every, lead)
+      history = ckpt.losses(progress['step'])
+  except KeyboardInterrupt:
+    _interrupted(ckpt, progress['step'])
   finally:
     if ckpt is not None:
       ckpt.close()
+  step, record = progress['step'], progress['record']
+  trained = step - resumed_at
 
   preds = predict(ensemble, grid)  # in every process: gathering is a collective
   grid = host_data[2]
-  truth = np.asarray(target(grid)[:, 0])
-  member_rmse = np.sqrt(((preds - truth) ** 2).mean(1))
-  mean_rmse = float(np.sqrt(((preds.mean(0) - truth) ** 2).mean()))
-  outside, intervals = band_report(grid, truth, preds)
+  mean, std = mixture(preds)
+  report = std_report(grid, std)
+  g = grid[:, 0]
+  inside = np.abs(g) <= DATA_RANGE
+  rmse = float(np.sqrt(((mean - target(g))[inside] ** 2).mean()))
+  covered = float((np.abs(target(g) - mean) <= 3 * std)[inside].mean())
   if png is not None:
-    plot(png, preds, host_data)
+    plot(png, preds, host_data, adversarial=args.adversarial)
   if args.save is not None:  # every process gathers (a collective), the lead one writes
     flat = {'/'.join(map(str, path)): to_host(v.get_value()) for path, v in nnx.to_flat_state(nnx.state(ensemble))}
     if lead:
       np.savez(args.save, losses=history, **flat)
+  result = {'losses': history, 'step': step, 'trained': trained, 'ensemble': ensemble, 'optimizers': optimizers,
+            'png': png, 'rmse_inside': rmse, 'covered_inside': covered, **report}
   if not lead:
-    return {'losses': history, 'step': step, 'ensemble': ensemble, 'optimizers': optimizers}
-  where = '' if mesh is None else f' on {mesh.size} device(s) in {jax.process_count()} process(es)'
+    return result
 
-  print(f'\ntrained {args.members} members{where} to step {step} in {time.perf_counter() - start:.1f} s')
-  for k in range(args.members):
-    print(f'  member {k}: final train loss {history[-1, k]:.4f} (first {history[0, k]:.4f})')
-  print(f'held-out grid [-4, 4]: member RMSE {member_rmse.mean():.3f} ± {member_rmse.std():.3f}, '
-        f'ensemble-mean RMSE {mean_rmse:.3f}, mean predictive std {preds.std(0).mean():.3f}')
-  if intervals:
-    support = (np.abs(np.asarray(grid[:, 0])) >= 1.0) & (np.abs(np.asarray(grid[:, 0])) <= 3.0)
-    off = np.abs(truth - preds.mean(0)) > 2 * preds.std(0)
-    widest = sorted(intervals, key=lambda iv: iv[0] - iv[1])[:3]
-    where = ', '.join(f'[{lo:.2f}, {hi:.2f}]' for lo, hi in sorted(widest))
-    print(f'overconfident: the true function is outside the ensemble mean ± 2 std on {outside:.0%} of the '
-          f'held-out grid ({off[~support].mean():.0%} away from the training data, {off[support].mean():.0%} '
-          f'within 1 <= |x| <= 3); widest gaps at x in {where}. The members agree where they are wrong: '
-          f'their spread is not a calibrated error bar.')
+  where = '' if mesh is None else f' on {mesh.size} device(s) in {jax.process_count()} process(es)'
+  kind = 'Gaussian NLL + adversarial training' if args.adversarial else 'Gaussian NLL'
+  if trained:
+    print(f'\ntrained {args.members} members ({kind}){where}: steps {resumed_at + 1}-{step} '
+          f'in {time.perf_counter() - start:.1f} s')
   else:
-    print('the true function is inside the ensemble mean ± 2 std everywhere on the held-out grid')
+    past = 'past' if step > args.steps else 'at'
+    print(f'\nnothing to train: the checkpoint in {args.checkpoint_dir} is {past} step {step} '
+          f'(--steps {args.steps}); the report below is of that checkpoint')
+  last = history[-1] if len(history) else record['last']
+  first = history[0] if len(history) else record['first']
+  for k in range(args.members):
+    print(f'  member {k}: loss (NLL) {last[k]:.3f} at step {step} (first {first[k]:.3f})')
+  print(f'mixture mean on |x| <= {DATA_RANGE:g}: RMSE {rmse:.2f} against x^3; the truth is within ± 3 std '
+        f'on {covered:.0%} of that range')
+  print(f'predictive std: {report["std_inside"]:.2f} inside the data range (|x| <= {DATA_RANGE:g}), '
+        f'{report["std_outside"]:.2f} outside it ({DATA_RANGE:g} < |x| <= {GRID_RANGE:g}): '
+        f'ratio {report["std_ratio"]:.2f}')
   if ckpt is not None:
     print(f'checkpoints in {args.checkpoint_dir} (latest: step {step}); the same command resumes from there')
   if png is not None:
     print(f'wrote {png}')
   if args.save is not None:
     print(f'wrote {args.save}')
-  return {'losses': history, 'png': png, 'member_rmse': member_rmse, 'mean_rmse': mean_rmse,
-          'outside_band': outside, 'outside_intervals': intervals, 'step': step,
-          'ensemble': ensemble, 'optimizers': optimizers}
+  return result
 
 
 if __name__ == '__main__':

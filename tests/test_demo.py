@@ -1,90 +1,207 @@
-"""python -m brainnx.demo: runs, writes the plot, the loss falls, flags are checked."""
+"""python -m brainnx.demo: Figure 1 of Deep Ensembles, flags, checkpoints, Ctrl-C.
+
+Oracles: the paper's loss written in plain jax on the members' arrays, an
+uninterrupted run for resumed ones, one device for many.
+"""
 
 import os
 import pathlib
+import re
+import signal
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from brainnx import demo
 
+ENV = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
 
-def test_demo_trains_and_writes_png(tmp_path, capsys):
-  result = demo.main(['--members', '3', '--steps', '100', '--seed', '1', '--out', str(tmp_path)])
-  assert result['png'].exists() and result['png'].stat().st_size > 10_000
-  losses = result['losses']
-  assert losses.shape == (100, 3)
-  assert np.all(losses[-1] < 0.6 * losses[0]), losses[[0, -1]]
+
+def test_demo_reproduces_figure_1(tmp_path, capsys):
+  result = demo.main(['--steps', '300', '--seed', '1', '--out', str(tmp_path)])
+  assert result['png'] == tmp_path / 'ensemble.png' and result['png'].stat().st_size > 10_000
+  assert result['losses'].shape == (300, 5)  # the paper's 5 members
+  assert np.all(result['losses'][-1] < result['losses'][0])
+  # the ensemble is more uncertain away from the data than on it
+  assert result['std_ratio'] > 1.0 and result['std_outside'] > result['std_inside'] > 0
   text = capsys.readouterr().out
-  assert 'member 2: final train loss' in text and 'ensemble-mean RMSE' in text
+  assert f'ratio {result["std_ratio"]:.2f}' in text and 'inside the data range (|x| <= 4)' in text
+  assert 'member 4: loss (NLL)' in text and 'wrote' in text
+
+
+def test_data_and_predictive_mixture_follow_the_paper():
+  x, y, grid = demo.make_data(0)
+  assert x.shape == y.shape == (20, 1) and float(jnp.abs(x).max()) <= 4.0
+  assert 1.5 < float(jnp.std(y - x**3)) < 4.5  # eps ~ N(0, 3^2)
+  assert float(grid.min()) == -6.0 and float(grid.max()) == 6.0
+  # mixture of two Gaussians N(0, 1) and N(2, 1): mean 1, variance 1 + 1 = 2
+  preds = np.array([[[0.0, 1.0]], [[2.0, 1.0]]])
+  mean, std = demo.mixture(preds)
+  np.testing.assert_allclose([mean[0], std[0]], [1.0, np.sqrt(2.0)])
+
+
+def _plain_mlp(params, x):
+  h = jax.nn.relu(x @ params['l1']['kernel'] + params['l1']['bias'])
+  out = h @ params['l2']['kernel'] + params['l2']['bias']
+  return out[:, :1], jax.nn.softplus(out[:, 1:]) + 1e-6
+
+
+def _plain_nll(params, x, y):
+  mean, var = _plain_mlp(params, x)
+  return jnp.mean(0.5 * jnp.log(var) + 0.5 * (y - mean) ** 2 / var)
+
+
+@pytest.mark.parametrize('adversarial', [False, True])
+def test_first_step_loss_is_the_papers_loss_in_plain_jax(adversarial):
+  members, seed = 3, 2
+  x, y, _ = demo.make_data(seed)
+  ensemble, _ = demo.build(members, seed)
+  stacked = nnx.to_pure_dict(nnx.state(ensemble, nnx.Param))
+  result = demo.main(['--members', str(members), '--steps', '2', '--seed', str(seed), '--no-plot']
+                     + ['--adversarial'] * adversarial)
+  eps = 0.01 * float(x.max() - x.min())
+  for k in range(members):
+    params = jax.tree.map(lambda a: a[k], stacked)
+    expect = _plain_nll(params, x, y)
+    if adversarial:  # fast gradient sign: the loss again at x + eps * sign(d loss / d x)
+      x_adv = x + eps * jnp.sign(jax.grad(lambda x: _plain_nll(params, x, y))(x))
+      expect = expect + _plain_nll(params, x_adv, y)
+    np.testing.assert_allclose(result['losses'][0, k], expect, rtol=1e-5)
 
 
 def test_demo_module_entry_point(tmp_path):
   out = subprocess.run(
     [sys.executable, '-m', 'brainnx.demo', '--members', '2', '--steps', '5', '--out', str(tmp_path)],
-    capture_output=True, text=True, timeout=300,
+    capture_output=True, text=True, timeout=300, env=ENV,
   )
   assert out.returncode == 0, out.stderr
-  assert (tmp_path / 'ensemble.png').exists()
+  assert (tmp_path / 'ensemble.png').exists() and 'predictive std' in out.stdout
 
 
-@pytest.mark.parametrize('flags', [
-  ['--members', '0'], ['--steps', 'many'], ['--bogus'], ['--checkpoint-every', '0'], ['--devices', '0'],
-  ['--devices', '64'], ['--members', '6', '--devices', '4'], ['--process-id', '0'],
-  ['--distributed', '127.0.0.1:1'],
+@pytest.mark.parametrize('flags,message', [
+  (['--members', '0'], '--members must be at least 1'), (['--steps', 'many'], 'invalid int'),
+  (['--bogus'], 'unrecognized'), (['--checkpoint-every', '0'], '--checkpoint-every must be'),
+  (['--devices', '0'], '--devices must be'), (['--devices', '64'], 'only'),
+  (['--members', '6', '--devices', '4'], 'multiple of'), (['--process-id', '0'], 'go with --distributed'),
+  (['--distributed', '127.0.0.1:1'], 'needs --num-processes'),
+  (['--out', 'x.gif'], r"'\.gif' is not an image type"),
 ])
-def test_bad_flags_are_argparse_errors(flags, capsys):
+def test_bad_flags_are_argparse_errors(flags, message, capsys, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
   with pytest.raises(SystemExit) as exc:
     demo.main(flags)
   assert exc.value.code == 2
-  assert 'usage:' in capsys.readouterr().err
+  err = capsys.readouterr().err
+  assert 'usage:' in err
+  assert re.search(message, err), err
+  assert not list(tmp_path.iterdir())  # nothing made: no x.gif directory
 
 
-def test_out_accepts_an_image_path(tmp_path, capsys):
+def test_out_accepts_an_image_path_or_a_directory(tmp_path, capsys):
   png = tmp_path / 'figs' / 'e4.png'
   result = demo.main(['--members', '2', '--steps', '5', '--out', str(png)])
   assert result['png'] == png and png.is_file() and png.stat().st_size > 10_000
-  assert not (png / 'ensemble.png').exists()
-  text = capsys.readouterr().out
-  assert f'wrote {png}' in text
-  # the held-out truth outside the ensemble's band is reported, as the plot shows it
-  assert 0.0 < result['outside_band'] <= 1.0 and result['outside_intervals']
-  assert 'outside the ensemble mean ± 2 std' in text
+  assert f'wrote {png}' in capsys.readouterr().out
+  assert demo.resolve_out(str(tmp_path / 'figs.v2') + '/') == tmp_path / 'figs.v2' / 'ensemble.png'
+  assert demo.resolve_out(str(tmp_path / 'plots')) == tmp_path / 'plots' / 'ensemble.png'
+  assert demo.resolve_out('fig1.PDF') == pathlib.Path('fig1.PDF')
 
 
 def _state_leaves(result):
-  import jax
-  from flax import nnx
-
   leaves = jax.tree.leaves(nnx.state((result['ensemble'], result['optimizers'])))
   return [np.asarray(x) for x in leaves]
+
+
+def _record_shapes(directory: pathlib.Path, step: int):
+  import orbax.checkpoint as ocp
+
+  meta = ocp.StandardCheckpointer().metadata(directory / str(step) / 'state')
+  return jax.tree.map(lambda a: a.shape, meta.item_metadata.tree)
 
 
 def test_checkpoint_resume_equals_uninterrupted(tmp_path, capsys):
   flags = ['--members', '2', '--steps', '30', '--checkpoint-every', '10', '--no-plot']
   whole = demo.main(flags + ['--checkpoint-dir', str(tmp_path / 'a')])
-  assert whole['step'] == 30 and whole['losses'].shape == (30, 2)
+  assert whole['step'] == 30 and whole['losses'].shape == (30, 2) and whole['trained'] == 30
+  # every checkpoint holds the same fixed-size arrays (no growing loss history)
+  assert _record_shapes(tmp_path / 'a', 20) == _record_shapes(tmp_path / 'a', 30)
+  assert _record_shapes(tmp_path / 'a', 30)['record'] == {'first': (2,), 'last': (2,)}
   # interrupted after the checkpoint at step 10, then the same command again
   demo.main(['--members', '2', '--steps', '10', '--checkpoint-every', '10', '--no-plot',
              '--checkpoint-dir', str(tmp_path / 'b')])
   capsys.readouterr()
   resumed = demo.main(flags + ['--checkpoint-dir', str(tmp_path / 'b')])
-  assert 'resumed from' in capsys.readouterr().out and resumed['step'] == 30
+  text = capsys.readouterr().out
+  assert 'resumed from' in text and 'steps 11-30' in text and resumed['step'] == 30 and resumed['trained'] == 20
   np.testing.assert_array_equal(resumed['losses'], whole['losses'])
   for a, b in zip(_state_leaves(resumed), _state_leaves(whole), strict=True):
     np.testing.assert_array_equal(a, b)
   # a run without checkpoints trains in one loop: equal up to float rounding
   plain = demo.main(['--members', '2', '--steps', '30', '--no-plot'])
   np.testing.assert_allclose(plain['losses'], whole['losses'], rtol=1e-4, atol=1e-6)
-  # a finished run resumes to itself; other settings are refused
-  again = demo.main(flags + ['--checkpoint-dir', str(tmp_path / 'a')])
-  assert 'nothing left to train' in capsys.readouterr().out
-  np.testing.assert_array_equal(again['losses'], whole['losses'])
+  capsys.readouterr()
+  # a finished run resumes to itself and says it trained nothing; other settings are refused
+  for steps, word in (('30', 'is at step 30'), ('20', 'is past step 30')):
+    again = demo.main(['--members', '2', '--steps', steps, '--checkpoint-every', '10', '--no-plot',
+                       '--checkpoint-dir', str(tmp_path / 'a')])
+    text = capsys.readouterr().out
+    assert f'nothing to train: the checkpoint in {tmp_path / "a"} {word}' in text and 'trained 2' not in text
+    assert again['trained'] == 0 and again['step'] == 30
+    np.testing.assert_array_equal(again['losses'], whole['losses'])
   with pytest.raises(SystemExit) as exc:
     demo.main(['--members', '3', '--steps', '30', '--no-plot', '--checkpoint-dir', str(tmp_path / 'a')])
   assert exc.value.code == 2 and 'another run' in capsys.readouterr().err
+
+
+def test_ctrl_c_during_a_save_prints_one_message_and_the_run_resumes(tmp_path, capsys, monkeypatch):
+  saves = []
+  real_save = demo.Checkpoints.save
+
+  def save_then_ctrl_c(self, step, *args):
+    if step == 20:  # Ctrl-C arrives while the second checkpoint is written
+      os.kill(os.getpid(), signal.SIGINT)
+    real_save(self, step, *args)
+    saves.append(step)
+
+  monkeypatch.setattr(demo.Checkpoints, 'save', save_then_ctrl_c)
+  flags = ['--members', '2', '--steps', '40', '--checkpoint-every', '10', '--no-plot',
+           '--checkpoint-dir', str(tmp_path / 'c')]
+  with pytest.raises(SystemExit) as exc:
+    demo.main(flags)
+  err = capsys.readouterr().err
+  assert exc.value.code == 130 and saves == [10, 20]  # the save in progress was completed
+  assert err.count('interrupted') == 1 and 'after step 20, which is saved' in err and 'Traceback' not in err
+  monkeypatch.setattr(demo.Checkpoints, 'save', real_save)
+  resumed = demo.main(flags)
+  whole = demo.main(flags[:-1] + [str(tmp_path / 'd')])
+  assert resumed['trained'] == 20
+  np.testing.assert_array_equal(resumed['losses'], whole['losses'])
+
+
+def test_ctrl_c_of_the_command_is_one_clean_message(tmp_path):
+  proc = subprocess.Popen(
+    [sys.executable, '-m', 'brainnx.demo', '--members', '2', '--steps', '100000', '--checkpoint-every', '1',
+     '--no-plot', '--checkpoint-dir', str(tmp_path / 'ck')],
+    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path,
+  )
+  try:
+    for line in proc.stdout:
+      if line.startswith('steps 5-5'):
+        break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.communicate()
+  assert proc.returncode == 130, err[-2000:]
+  assert 'Traceback' not in err and 'ERROR' not in err and err.count('interrupted') == 1, err[-2000:]
+  assert 'which is saved: run the same command to resume' in err
 
 
 def test_runs_without_matplotlib(tmp_path):
@@ -93,9 +210,9 @@ def test_runs_without_matplotlib(tmp_path):
     'from brainnx import demo\n'
     f'demo.main(["--members", "2", "--steps", "5", "--out", {str(tmp_path)!r}])\n'
   )
-  out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300, env=ENV)
   assert out.returncode == 0, out.stderr
-  assert 'matplotlib is not installed' in out.stderr and 'member 1: final train loss' in out.stdout
+  assert 'matplotlib is not installed' in out.stderr and 'member 1: loss (NLL)' in out.stdout
   assert not list(tmp_path.iterdir())
 
 

@@ -1,7 +1,8 @@
 """The documentation: the Sphinx site builds, links resolve, the reference covers the API.
 
-The site is built from the stored notebook outputs (``nb_execution_mode = 'off'``
-in ``docs/conf.py``); the notebooks themselves are executed by nbmake.
+The site is built from the repository root with ``docs/conf.py`` (pages from ``docs/``,
+notebooks from ``notebooks/``), from the stored notebook outputs (``nb_execution_mode =
+'off'``); the notebooks themselves are executed by nbmake.
 """
 
 import importlib.metadata
@@ -19,7 +20,7 @@ import brainnx as bnx
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / 'docs'
-NOTEBOOKS = sorted((DOCS / 'notebooks').glob('*.ipynb'))
+NOTEBOOKS = sorted((ROOT / 'notebooks').glob('*.ipynb'))
 PAGES = sorted(DOCS.glob('*.md'))
 API = (DOCS / 'api.md').read_text()
 
@@ -28,16 +29,25 @@ API = (DOCS / 'api.md').read_text()
 
 
 def test_sphinx_build_has_no_warnings(tmp_path):
+  site = tmp_path / 'site'
   out = subprocess.run(
-    [sys.executable, '-m', 'sphinx', '-W', '--keep-going', '-E', '-q', '-b', 'html', str(DOCS), str(tmp_path)],
-    capture_output=True, text=True, timeout=600,
+    [sys.executable, '-m', 'sphinx', '-W', '--keep-going', '-E', '-q', '-b', 'html', '-c', str(DOCS), str(ROOT), str(site)],
+    capture_output=True, text=True, timeout=600, cwd=tmp_path,
   )
   assert out.returncode == 0, out.stdout + out.stderr
-  for page in ['index', 'getting-started', 'api', 'comparison'] + [f'notebooks/{p.stem}' for p in NOTEBOOKS]:
-    assert (tmp_path / f'{page}.html').exists(), page
+  pages = [f'docs/{p.stem}' for p in PAGES] + [f'notebooks/{p.stem}' for p in NOTEBOOKS]
+  assert {'docs/index', 'docs/api', 'docs/comparison', 'docs/getting-started'} <= set(pages)
+  for page in pages:
+    assert (site / f'{page}.html').exists(), page
+  assert 'docs/index.html' in (site / 'index.html').read_text()  # the top of the site leads to the pages
+  index = (site / 'docs' / 'index.html').read_text()
+  assert all(f'../notebooks/{p.stem}.html' in index for p in NOTEBOOKS), 'every notebook is linked from the index'
   # the notebooks' stored plots are in the site
   for name in ('02_ensembles_with_optax', '05_checkpointing'):
-    assert '<img' in (tmp_path / 'notebooks' / f'{name}.html').read_text(), name
+    assert '<img' in (site / 'notebooks' / f'{name}.html').read_text(), name
+  # the build wrote nothing outside its output folder (myst-nb's jupyter_execute/ included)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['site']
+  assert not (ROOT / 'jupyter_execute').exists() and not (DOCS / 'jupyter_execute').exists()
 
 
 # -- links ----------------------------------------------------------------------------
@@ -187,3 +197,17 @@ def test_dev_extra_installs_notebook_and_docs_tools():
   dev = {re.split(r'[<>=\[ ]', d)[0].lower() for d in project['optional-dependencies']['dev']}
   assert {'pytest', 'nbmake', 'nbconvert', 'notebook', 'ipykernel', 'matplotlib', 'sphinx', 'myst-nb'} <= dev
   assert not any(d.startswith('matplotlib') for d in project['dependencies'])  # the demo runs without it
+
+
+def test_nothing_in_the_repository_cites_a_document_outside_it():
+  files = subprocess.run(['git', 'ls-files'], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+  outside = re.compile(r'\bAPI\.md\b|\.\./shared|/work/|COMMON\.md')
+  cited = []
+  for name in files:
+    path = ROOT / name
+    if path.suffix not in ('.py', '.md', '.toml', '.ipynb', '.cfg', '.txt') or not path.exists():
+      continue
+    for k, line in enumerate(path.read_text(errors='replace').splitlines(), 1):
+      if outside.search(line) and name != 'tests/test_docs.py':  # this file names the patterns
+        cited.append(f'{name}:{k}: {line.strip()[:120]}')
+  assert not cited, '\n'.join(cited)

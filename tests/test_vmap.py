@@ -1,4 +1,4 @@
-"""vmap: every rule of API.md § Mapping, against jax.vmap on pure pytrees or a Python loop."""
+"""vmap: every rule of the Mapping section of docs/api.md, against jax.vmap on pure pytrees or a Python loop."""
 
 import warnings
 
