@@ -184,6 +184,8 @@ def lay_out(x: jax.Array, sharding: Sharding) -> jax.Array:
   process supplies its own devices' shards of ``x``, which every process holds whole."""
   if sharding.is_fully_addressable or not x.is_fully_addressable:
     return jax.device_put(x, sharding)
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # keys travel as their data
+    return jax.random.wrap_key_data(lay_out(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
   # Slice on the host: indexing a jax.Array under `jax.set_mesh` would give a global array.
   host = np.asarray(x)
   return jax.make_array_from_callback(x.shape, sharding, lambda index: host[index])

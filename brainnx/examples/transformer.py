@@ -273,7 +273,9 @@ def place_batch(mesh, *arrays):
 
 
 def to_host(x) -> np.ndarray:
-  """A numpy copy of ``x``, gathered from every process when it spans several."""
+  """A numpy copy of ``x`` (a key: its data), gathered from every process when it spans several."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
   if getattr(x, 'is_fully_addressable', True):
     return np.asarray(x)
   from jax.experimental import multihost_utils
@@ -344,8 +346,11 @@ def main(argv=None) -> dict:
   parser.add_argument('--steps', type=int, default=20)
   parser.add_argument('--idiom', choices=('brainnx', 'flax'), default='brainnx')
   parser.add_argument('--devices', type=int, default=None, help='a (data, model) mesh over this many devices')
-  parser.add_argument('--build-outside-mesh', action='store_true', help='build the model before jax.set_mesh')
+  parser.add_argument('--build', choices=('inside', 'outside', 'both'), default='inside',
+                      help='build the brainnx model inside jax.set_mesh, before it, or train once each way')
   parser.add_argument('--deterministic', action='store_true', help='no dropout')
+  parser.add_argument('--size', type=int, nargs=4, metavar=('LAYERS', 'WIDTH', 'SEQ', 'BATCH'), default=None,
+                      help='a smaller or larger model than the default 4 128 64 8')
   parser.add_argument('--save', default=None, help='write losses and parameters here (process 0)')
   parser.add_argument('--distributed', metavar='HOST:PORT', default=None,
                       help='one process of a jax.distributed job whose coordinator listens at HOST:PORT')
@@ -359,14 +364,20 @@ def main(argv=None) -> dict:
       jax.config.update('jax_cpu_collectives_implementation', 'gloo')
     jax.distributed.initialize(args.distributed, num_processes=args.num_processes, process_id=args.process_id)
     args.devices = args.devices or jax.device_count()
-  result = train(Config(), args.steps, idiom=args.idiom, devices=args.devices,
-                 build_outside_mesh=args.build_outside_mesh, deterministic=args.deterministic)
-  params = {k: to_host(v.get_value()) for k, v in flat_state(result['model']).items()}
-  if jax.process_index() == 0:
-    print(f'{args.idiom} on {jax.device_count()} device(s) in {jax.process_count()} process(es): '
-          f'loss {result["losses"][0]:.4f} -> {result["losses"][-1]:.4f}')
-    if args.save:
-      np.savez(args.save, losses=result['losses'], **params)
+  orders = ('inside', 'outside') if args.build == 'both' else (args.build,)
+  saved = {}
+  for order in orders:
+    cfg = Config() if args.size is None else Config(*args.size[:2], heads=2, seq=args.size[2], batch=args.size[3])
+    result = train(cfg, args.steps, idiom=args.idiom, devices=args.devices,
+                   build_outside_mesh=order == 'outside', deterministic=args.deterministic)
+    prefix = f'{order}/' if len(orders) > 1 else ''
+    saved[prefix + 'losses'] = result['losses']
+    saved.update({prefix + k: to_host(v.get_value()) for k, v in flat_state(result['model']).items()})
+    if jax.process_index() == 0:
+      print(f'{args.idiom} (built {order} the mesh) on {jax.device_count()} device(s) in '
+            f'{jax.process_count()} process(es): loss {result["losses"][0]:.4f} -> {result["losses"][-1]:.4f}')
+  if jax.process_index() == 0 and args.save:
+    np.savez(args.save, **saved)
   return result
 
 
