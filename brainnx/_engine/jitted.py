@@ -40,7 +40,8 @@ from brainnx._engine.arguments import ArgKind, CallArgs, StaticArgs, normalize_a
 from brainnx._engine.caches import LRUCache
 from brainnx._engine.discovery import Discovery, discover, holds_graph_node
 from brainnx._engine.filters import to_filter
-from brainnx._engine.sharding import Rules, arg_specs, constrain, layout_of, place
+from brainnx._engine.outputs import Leaf, New
+from brainnx._engine.sharding import Rules, arg_specs, constrain, layout_of, new_layout, place
 from brainnx._engine.call import check_values
 from brainnx._engine.state import STATE_CHANGES, adopt_new, read_values, set_values, write_values
 from brainnx._engine.stateful_function import StatefulFunction
@@ -340,7 +341,7 @@ class JittedFunction:
     n_state = 2 if donated else 1
     shardings = self._shardings(disc, call, donated, layout) if self._options.sharded else {}
     compiled = jax.jit(
-      functools.partial(_body, self.stateful_fun, n_state),
+      functools.partial(_body, self.stateful_fun, n_state, self._options.state_shardings),
       donate_argnums=(0,) * bool(donated) + _donated_positions(call, self._donate_argnums, n_state),
       **shardings,
       **dict(self._options.jax_kwargs),
@@ -372,7 +373,26 @@ class JittedFunction:
         )
       # None: the written Variables, laid out in _body
       out['out_shardings'] = _Written(None, opts.out_shardings) if trace.written else opts.out_shardings
+    elif opts.state_shardings:
+      new = self._new_shardings(disc, call)
+      if new is not None:
+        out['out_shardings'] = new
     return out
+
+  def _new_shardings(self, disc: Discovery, call: CallArgs):
+    """``out_shardings`` laying out the Variables the call creates (``None``: it creates none).
+
+    Given to ``jax.jit`` as well as constrained in ``_body``: on a mesh with explicit axes
+    and no ``jax.set_mesh``, only an output sharding puts the program on the mesh.
+    """
+    values = [_compat.raw_value(v) for v in disc.variables]
+    trace = self.stateful_fun.trace_for(disc, call, values, call.dyn)
+    if not trace.cacheable or not _packs(trace):
+      return None
+    new, leaves = _new_layouts(self._options.state_shardings, trace)
+    if not any(s is not None for s in new + leaves):
+      return None
+    return _Packed(None, new, leaves, trace)
 
   def _drop_plan(self, key) -> None:
     plan = self._plans.get(key)
@@ -480,7 +500,7 @@ def _donated_positions(call: CallArgs, donate_argnums, n_state: int = 1) -> tupl
   return tuple(positions)
 
 
-def _body(sf: StatefulFunction, n_state: int, *args):
+def _body(sf: StatefulFunction, n_state: int, rules: Rules, *args):
   plan: _Plan = _CURRENT.plan()
   state, dyn = plan.full_state(args[:n_state]), args[n_state:]
   trace: Trace = sf.trace_for(plan.disc, plan.live_call(), state, dyn)
@@ -490,10 +510,37 @@ def _body(sf: StatefulFunction, n_state: int, *args):
   if plan.layout:
     written = [constrain(x, plan.layout[i]) for i, x in zip(trace.written, written)]
   written = dict(zip(trace.written, written))
+  if rules and (trace.new_vars or trace.out_spec.has_nodes):
+    new, out_leaves = _lay_out_new(rules, trace, new, out_leaves)
   if _packs(trace):
     return _Packed(written, new, out_leaves, trace)
   out = trace.out_spec.rebuild(out_leaves, plan.disc)
   return _Written(written, out) if written else out  # a call that writes nothing returns its output as is
+
+
+def _new_layouts(rules: Rules, trace: Trace) -> tuple[list, list]:
+  """``state_shardings`` for Variables created inside the call: one entry per new Variable
+  attached to a known node (matched with an empty path: no root names it) and one per output
+  leaf (``None`` but for the leaves of a returned new node, matched with their path in it)."""
+  new = [new_layout(rules, (), v, _shape_of(_compat.raw_value(v))) for v in trace.new_vars]
+  leaves = []
+  for slot in trace.out_spec.slots:
+    if type(slot) is Leaf:
+      leaves.append(None)
+    elif type(slot) is New:
+      leaves.extend(new_layout(rules, path, var, _shape_of(var.get_value())) for path, var in slot.leaf_vars)
+  return new, leaves
+
+
+def _lay_out_new(rules: Rules, trace: Trace, new: list, out_leaves: list) -> tuple[list, list]:
+  new_s, leaf_s = _new_layouts(rules, trace)
+  new = [x if s is None else jax.tree.map(lambda leaf, s=s: constrain(leaf, s), x) for x, s in zip(new, new_s)]
+  return new, [constrain(x, s) for x, s in zip(out_leaves, leaf_s)]
+
+
+def _shape_of(x) -> tuple:
+  leaves = jax.tree.leaves(x)
+  return tuple(getattr(leaves[0], 'shape', ())) if leaves else ()
 
 
 def _packs(trace: Trace) -> bool:

@@ -24,6 +24,7 @@ import math
 from typing import Any, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from brainnx import _compat
@@ -31,7 +32,7 @@ from brainnx._engine.arguments import ArgKind, CallArgs
 from brainnx._engine.discovery import Discovery
 from brainnx._engine.filters import to_filter
 
-__all__ = ['Rules', 'arg_specs', 'check_divides', 'constrain', 'lay_out', 'place', 'resolve']
+__all__ = ['Rules', 'arg_specs', 'check_divides', 'constrain', 'lay_out', 'layout_of', 'new_layout', 'place', 'resolve']
 
 _SPEC_TYPES = (Sharding, PartitionSpec)
 
@@ -94,37 +95,74 @@ def _leaves(value) -> list:
 def check_divides(disc: Discovery, i: int, spec: PartitionSpec, mesh_shape: dict, what: str) -> None:
   """``ValueError`` naming Variable ``i`` if ``spec`` does not fit its shape on the mesh."""
   for leaf in _leaves(_compat.raw_value(disc.variables[i])):
-    shape = tuple(getattr(leaf, 'shape', ()))
-    if len(spec) > len(shape):
+    _check_shape(f'{what}: {disc.describe(i)}', tuple(getattr(leaf, 'shape', ())), spec, mesh_shape)
+
+
+def _check_shape(who: str, shape: tuple, spec: PartitionSpec, mesh_shape: dict) -> None:
+  """``ValueError`` starting with ``who`` (``'what: the Variable'``) if ``spec`` does not fit."""
+  for dim, axes in enumerate(spec):
+    names = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+    unknown = [a for a in names if a not in mesh_shape]
+    if unknown:
       raise ValueError(
-        f'{what}: {disc.describe(i)} has shape {shape}, but its spec {spec} names '
-        f'{len(spec)} dimension(s)'
+        f'{who}: its spec {spec} names mesh axis {unknown[0]!r}, which the mesh does not '
+        f'have (its axes: {tuple(mesh_shape)})'
       )
-    for dim, axes in enumerate(spec):
-      names = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
-      unknown = [a for a in names if a not in mesh_shape]
-      if unknown:
-        raise ValueError(
-          f'{what}: the spec {spec} of {disc.describe(i)} names mesh axis {unknown[0]!r}, '
-          f'which the mesh does not have (its axes: {tuple(mesh_shape)})'
-        )
-      size = math.prod(mesh_shape[a] for a in names)
-      if shape[dim] % size:
-        raise ValueError(
-          f'{what}: {disc.describe(i)} has shape {shape}; dimension {dim} (size {shape[dim]}) '
-          f'does not divide into {size} shards of mesh axes {names} (spec {spec})'
-        )
+  if len(spec) > len(shape):
+    raise ValueError(f'{who} has shape {shape}, but its spec {spec} names {len(spec)} dimension(s)')
+  for dim, axes in enumerate(spec):
+    names = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+    size = math.prod(mesh_shape[a] for a in names)
+    if shape[dim] % size:
+      raise ValueError(
+        f'{who} has shape {shape}; dimension {dim} (size {shape[dim]}) '
+        f'does not divide into {size} shards of mesh axes {names} (spec {spec})'
+      )
 
 
 def layout_of(disc: Discovery, rules: Rules) -> tuple:
-  """Each Variable's ``Sharding`` under ``rules`` (``None``: no rule), checked against its shape."""
+  """Each Variable's ``Sharding`` under ``rules`` (``None``: no rule), checked against its shape
+  (a spec naming an axis the mesh lacks fails here, naming the Variable, not in JAX)."""
   if not rules:
     return ()
-  shardings = tuple(resolve(s, rules.what) for s in rules.specs(disc, None))
-  for i, sharding in enumerate(shardings):
-    if isinstance(sharding, NamedSharding):
-      check_divides(disc, i, sharding.spec, dict(sharding.mesh.shape), rules.what)
-  return shardings
+  shardings = []
+  for i, layout in enumerate(rules.specs(disc, None)):
+    if isinstance(layout, PartitionSpec):
+      mesh = _context_mesh(layout, rules.what)
+      check_divides(disc, i, layout, dict(mesh.shape), rules.what)
+      shardings.append(NamedSharding(mesh, layout))
+      continue
+    if isinstance(layout, NamedSharding):
+      check_divides(disc, i, layout.spec, dict(layout.mesh.shape), rules.what)
+    shardings.append(layout)
+  return tuple(shardings)
+
+
+def new_layout(rules: Rules, path: tuple, var: Any, shape: tuple) -> Sharding | None:
+  """The ``Sharding`` of a Variable created inside a call (``var`` may be a stand-in holding
+  shapes), checked against ``shape``; ``None`` where no rule matches."""
+  layout = next((lay for lay, spec in rules.items if to_filter(spec)(path, var)), None)
+  if layout is None:
+    return None
+  if isinstance(layout, PartitionSpec):
+    mesh = _context_mesh(layout, rules.what)
+    spec = layout
+  else:
+    mesh, spec = getattr(layout, 'mesh', None), getattr(layout, 'spec', None)
+  if spec is not None and mesh is not None:
+    what = f'{rules.what}: {type(var).__name__} at {tuple(path)!r} (created inside the call)'
+    _check_shape(what, shape, spec, dict(mesh.shape))
+  return layout if isinstance(layout, Sharding) else NamedSharding(mesh, spec)
+
+
+def _context_mesh(spec: PartitionSpec, what: str):
+  mesh = jax.sharding.get_mesh() if _compat.at_top_level() else jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    raise ValueError(
+      f'{what}: {spec!r} is a PartitionSpec, which needs a mesh: call inside '
+      '`with jax.set_mesh(mesh):` or give a NamedSharding(mesh, spec)'
+    )
+  return mesh
 
 
 def place(disc: Discovery, layout: Sequence) -> None:
@@ -146,7 +184,11 @@ def lay_out(x: jax.Array, sharding: Sharding) -> jax.Array:
   process supplies its own devices' shards of ``x``, which every process holds whole."""
   if sharding.is_fully_addressable or not x.is_fully_addressable:
     return jax.device_put(x, sharding)
-  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # keys travel as their data
+    return jax.random.wrap_key_data(lay_out(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
+  # Slice on the host: indexing a jax.Array under `jax.set_mesh` would give a global array.
+  host = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: host[index])
 
 
 def constrain(value: Any, sharding: Sharding | None) -> Any:

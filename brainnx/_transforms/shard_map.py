@@ -30,8 +30,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from brainnx._engine.arguments import ArgKind, CallArgs
 from brainnx._engine.call import StatefulCall
-from brainnx._engine.eager import run
-from brainnx._engine.sharding import Rules, arg_specs, check_divides, constrain
+from brainnx._engine.discovery import discover
+from brainnx._engine.eager import eager, run
+from brainnx._engine.sharding import Rules, arg_specs, check_divides, constrain, place
 from brainnx._engine.errors import check_callable
 
 __all__ = ['shard_map']
@@ -99,9 +100,25 @@ def shard_map(
 
   @functools.wraps(f)
   def sharded(*args, **kwargs):
+    if eager():
+      _lay_out_read(f, args, kwargs, mesh, config[3])
     return run(_shard_map_impl, (f,), config, args, kwargs)
 
   return sharded
+
+
+def _lay_out_read(f, args, kwargs, mesh, state_in: Rules) -> None:
+  """Called outside any trace: move every Variable to the layout its ``state_in_specs`` spec
+  gives (``P()``: replicated over the mesh), as ``nnx.shard_map`` leaves the state it reads.
+  Written Variables come back laid out by their ``state_out_specs`` anyway."""
+  mesh = mesh if mesh is not None else jax.sharding.get_mesh()
+  if mesh.empty or not isinstance(mesh, jax.sharding.Mesh):
+    return  # the call itself says what is missing
+  disc = discover(f, tuple(args), kwargs)
+  specs = state_in.specs(disc, _REPLICATED)
+  for i, spec in enumerate(specs):
+    check_divides(disc, i, spec, dict(mesh.shape), 'shard_map: state_in_specs')
+  place(disc, [NamedSharding(mesh, spec) for spec in specs])
 
 
 def _hashable(specs):
@@ -124,16 +141,23 @@ def _shard_map_impl(f, *rest, **kwargs):
   specs_in = state_in.specs(disc, _REPLICATED)
   specs_out = tuple(o if o is not None else i for o, i in zip(state_out.specs(disc, None), specs_in))
   mesh_shape = dict(mesh.shape)
-  for i, (spec_in, spec_out) in enumerate(zip(specs_in, specs_out)):
+  for i, spec_in in enumerate(specs_in):
     check_divides(disc, i, spec_in, mesh_shape, 'shard_map: state_in_specs')
-    check_divides(disc, i, spec_out, mesh_shape, 'shard_map: state_out_specs')
   dyn_specs = arg_specs(call, in_specs, 'shard_map: in_specs', default=_REPLICATED)
+  # The Variables' out specs, filled in by the trace: ``state_out_specs`` applies to the written
+  # ones only, and jax.shard_map reads its out_specs once the function has returned (they are
+  # a prefix of its output).
+  var_out_specs: list = []
 
   def per_shard(state_values, dyn):
     step = stateful.step(state_values, dyn)
     spec, leaves = step.split_out(disc)
     if spec.has_nodes:
       raise ValueError('shard_map: the function returns graph nodes or non-array values; return arrays')
+    for i in step.written:
+      check_divides(disc, i, specs_out[i], mesh_shape, 'shard_map: state_out_specs')
+    written = set(step.written)
+    var_out_specs[:] = [specs_out[i] if i in written else specs_in[i] for i in range(len(specs_in))]
     return list(step.values), jax.tree.unflatten(spec.treedef, leaves)
 
   per_shard.__name__ = per_shard.__qualname__ = getattr(f, '__name__', 'shard_map')  # JAX's messages name it
@@ -145,7 +169,7 @@ def _shard_map_impl(f, *rest, **kwargs):
   ]
   with stateful.rolling_back():
     now, out = jax.shard_map(
-      per_shard, mesh=mesh, in_specs=(list(specs_in), dyn_specs), out_specs=(list(specs_out), out_specs),
+      per_shard, mesh=mesh, in_specs=(list(specs_in), dyn_specs), out_specs=(var_out_specs, out_specs),
       axis_names=axis_names, check_vma=check_vma,
     )(values, tuple(call.dyn))
     stateful.write_back([now[i] for i in stateful.written])

@@ -1,0 +1,1 @@
+"""Worked examples that tests and benchmarks import (``brainnx.examples.transformer``)."""
