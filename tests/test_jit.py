@@ -168,7 +168,9 @@ def test_cached_trace_stays_valid(case):
     model.l1.kernel[...] = model.l1.kernel[...]  # keep object
     model.l1.kernel.set_value(model.l1.kernel[...].astype(jnp.bfloat16))
     expected = lambda: mlp_pure(mlp_params(model), X)  # noqa: E731
-  np.testing.assert_allclose(f(X), expected(), rtol=2e-2)
+  # bfloat16 keeps 8 bits of mantissa: a relative error up to 2**-8 per rounding, a few roundings
+  # through the MLP; every other case computes in float32 like its oracle
+  np.testing.assert_allclose(f(X), expected(), rtol=2e-2 if case == 'dtype' else 1e-6)
   holder.clear()
 
 
@@ -300,9 +302,15 @@ def test_static_argument_errors():
 
 def test_donated_arguments():
   f = bnx.jit(lambda buf, x: buf + x, donate_argnums=0)
+  ref = jax.jit(lambda buf, x: buf + x, donate_argnums=0)
+  # the donated buffer aliases the output, as under jax.jit, and is deleted after the call
+  alias = f.lower(jnp.ones(3), 1.0).compile().memory_analysis().alias_size_in_bytes
+  assert alias == ref.lower(jnp.ones(3), 1.0).compile().memory_analysis().alias_size_in_bytes == 12
+  assert bnx.jit(lambda buf, x: buf + x).lower(jnp.ones(3), 1.0).compile().memory_analysis().alias_size_in_bytes == 0
   buf = jnp.ones(3)
   out = f(buf, 1.0)
   np.testing.assert_array_equal(out, [2.0, 2.0, 2.0])
+  assert buf.is_deleted()
   with pytest.raises(ValueError, match='both static and donated'):
     bnx.jit(lambda a: a, static_argnums=0, donate_argnums=0)
 
