@@ -36,7 +36,7 @@ def test_demo_module_entry_point(tmp_path):
   ['--distributed', '127.0.0.1:1'],
 ])
 def test_bad_flags_are_argparse_errors(flags, capsys):
-  with pytest.raises(SystemExit) as exc:
+  with pytest.raises(SystemExit, match='^2$') as exc:  # argparse's exit status
     demo.main(flags)
   assert exc.value.code == 2
   assert 'usage:' in capsys.readouterr().err
@@ -82,7 +82,7 @@ def test_checkpoint_resume_equals_uninterrupted(tmp_path, capsys):
   again = demo.main(flags + ['--checkpoint-dir', str(tmp_path / 'a')])
   assert 'nothing left to train' in capsys.readouterr().out
   np.testing.assert_array_equal(again['losses'], whole['losses'])
-  with pytest.raises(SystemExit) as exc:
+  with pytest.raises(SystemExit, match='^2$') as exc:
     demo.main(['--members', '3', '--steps', '30', '--no-plot', '--checkpoint-dir', str(tmp_path / 'a')])
   assert exc.value.code == 2 and 'another run' in capsys.readouterr().err
 

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 import brainnx as bnx
-from helpers import no_tracers
+from helpers import assert_same_tree, concrete, no_tracers
 
 XS = jax.random.normal(jax.random.key(0), (12, 3))
 
@@ -338,3 +338,99 @@ def test_eager_loops_replay_compiled_code():
   for _ in range(3):
     bnx.scan(step, 0.0, xs)
   assert len(runs) == 1
+
+
+# -- weak types as jax.lax, dtype changes, errors under disable_jit ----------------------------------
+
+def test_eager_scan_weak_int_init():
+  """Eager scan with a Python int init matches jax.lax.scan in values and dtypes."""
+  fn = lambda c, x: (c + x, c)
+  assert_same_tree(bnx.scan(fn, 0, jnp.ones(3)), jax.lax.scan(fn, 0, jnp.ones(3)))
+
+
+def test_eager_scan_weak_int_init_bfloat16():
+  """Eager scan with an int init over bf16 xs matches jax.lax.scan (bf16 carry)."""
+  fn = lambda c, x: (c + x, c)
+  xs = jnp.ones(3, jnp.bfloat16)
+  assert_same_tree(bnx.scan(fn, 0, xs), jax.lax.scan(fn, 0, xs))
+
+
+def test_fori_loop_weak_int_init():
+  """fori_loop(0, 3, c + 1.5, 0) equals jax.lax.fori_loop (jax 0.10 gives 4.5 float32; no error)."""
+  fn = lambda i, c: c + 1.5
+  assert_same_tree(bnx.fori_loop(0, 3, fn, 0), jax.lax.fori_loop(0, 3, fn, 0))
+
+
+def test_while_loop_weak_int_init():
+  """while_loop on a Python int init equals jax.lax.while_loop."""
+  args = (lambda c: c < 3, lambda c: c + 1, 0)
+  assert_same_tree(bnx.while_loop(*args), jax.lax.while_loop(*args))
+
+
+def test_checkpointed_scan_weak_int_init():
+  """checkpointed_scan with a Python int init matches jax.lax.scan."""
+  fn = lambda c, x: (c + x, c)
+  assert_same_tree(bnx.checkpointed_scan(fn, 0, jnp.ones(3)), jax.lax.scan(fn, 0, jnp.ones(3)))
+
+
+def _run_loop(kind, write):
+  if kind == 'scan':
+    return bnx.scan(lambda c, x: (write() or c, c), 0.0, jnp.ones(2))
+  if kind == 'for_loop':
+    return bnx.for_loop(lambda x: write() or x, jnp.ones(2))
+  if kind == 'fori_loop':
+    return bnx.fori_loop(0, 2, lambda i, c: write() or c, 0.0)
+  if kind == 'while_loop':
+    return bnx.while_loop(lambda c: c < 2, lambda c: write() or c + 1, 0)
+  raise AssertionError(kind)
+
+
+@pytest.mark.parametrize('kind', ['scan', 'for_loop', 'fori_loop', 'while_loop'])
+def test_loop_body_changes_variable_dtype(kind):
+  """A loop body that changes a Variable's dtype raises an error naming the Variable (jax.lax.scan raises too)."""
+  with pytest.raises(TypeError, match='the dtypes do not match'):  # the oracle: a dtype-changing carry is an error in JAX
+    jax.lax.scan(lambda c, x: (c.astype(jnp.int32), None), jnp.zeros(3), None, length=2)
+  dtype_var = nnx.Variable(jnp.zeros(3))
+
+  def write():  # set_value: `v[...] = ...` would cast back to the Variable's dtype
+    dtype_var.set_value(dtype_var.get_value().astype(jnp.int32))
+
+  with pytest.raises(ValueError, match=r"Variable at \('dtype_var',\) changes dtype inside the loop, from float32 to int32"):
+    _run_loop(kind, write)
+  raw = concrete(dtype_var)
+  assert raw.dtype == jnp.float32
+
+
+# -- weak types as jax.lax, dtype changes, errors under disable_jit ----------------------------------
+
+def test_loop_error_under_disable_jit_leaves_state_exact():
+  acc = nnx.Variable(jnp.array(0.0))
+
+  def step(c, x):
+    acc[...] += 1.0
+    if int(x) == 3:
+      raise RuntimeError('step 3')
+    return c, x
+
+  def body(c):
+    acc[...] += 1.0
+    if int(c) == 3:
+      raise RuntimeError('step 3')
+    return c + 1
+
+  with jax.disable_jit():
+    with pytest.raises(RuntimeError, match='step 3'):
+      bnx.scan(step, 0, jnp.arange(5))
+    assert float(acc[...]) == 0.0
+    with pytest.raises(RuntimeError, match='step 3'):
+      bnx.while_loop(lambda c: c < 10, body, 0)
+    assert float(acc[...]) == 0.0
+
+
+def test_while_loop_inside_vmap_under_disable_jit_matches_lax():
+  xs = jnp.zeros(3, jnp.int32)
+  with jax.disable_jit():
+    ours = jax.vmap(lambda x: bnx.while_loop(lambda c: c < 3, lambda c: c + 1, x))(xs)
+    theirs = jax.vmap(lambda x: jax.lax.while_loop(lambda c: c < 3, lambda c: c + 1, x))(xs)
+  np.testing.assert_array_equal(ours, theirs)
+

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import brainnx as bnx
-from helpers import MLP, assert_same_values, mlp_params, mlp_pure, no_tracers, values_of
+from helpers import MLP, assert_same_tree, assert_same_values, nnx_split_draws, mlp_params, mlp_pure, no_tracers, values_of
 
 X = jax.random.normal(jax.random.key(0), (5, 3))
 
@@ -226,21 +226,11 @@ def test_bad_filter_and_axis_key():
 # -- randomness ------------------------------------------------------------------
 
 
-def _nnx_split_draws(seed, n):
-  """The oracle for one call: flax's own ``nnx.split_rngs`` + ``nnx.vmap`` drawing from Rngs(seed)."""
-  @nnx.split_rngs(splits=n)
-  @nnx.vmap(in_axes=0)
-  def draw(rngs):
-    return rngs.normal(())
-
-  return draw(nnx.Rngs(seed))
-
-
 def test_rng_draws_equal_nnx_split_rngs_then_stay_independent():
   rngs = nnx.Rngs(0)
   f = bnx.vmap(lambda: rngs.normal(()), axis_size=4)
   first = f()
-  np.testing.assert_array_equal(first, _nnx_split_draws(0, 4))  # the first call's keys are flax's
+  np.testing.assert_array_equal(first, nnx_split_draws(0, 4))  # the first call's keys are flax's
   assert int(rngs.default.count[...]) == 1
   second = f()
   assert int(rngs.default.count[...]) == 2
@@ -532,52 +522,47 @@ def test_plain_vmap_refuses_batched_new_variable():
   assert 'h' not in cell and no_tracers(cell)
 
 
-# -- pmap and map ----------------------------------------------------------------------
+# -- weak types, empty batches, vmap_new_states axes -------------------------------------------------
+
+def test_vmap_broadcast_weak_float():
+  """vmap with in_axes=(0, None) keeps a Python float weak, as jax.vmap does."""
+  fn = lambda a, s: a * s
+  a = jnp.ones((2, 3), jnp.bfloat16)
+  assert_same_tree(bnx.vmap(fn, in_axes=(0, None))(a, 2.0), jax.vmap(fn, in_axes=(0, None))(a, 2.0))
 
 
-def test_pmap_on_four_devices_equals_jax_pmap():
-  assert jax.local_device_count() >= 4
-  ens = ensemble(4)
-  p = bnx.pmap(lambda m, x: m(x), in_axes=(0, None))(ens, X)
-  ref = jax.pmap(mlp_pure, in_axes=(0, None))(mlp_params(ens), X)
-  np.testing.assert_allclose(p, ref, rtol=1e-6)
-  r = nnx.Rngs(5)
-  np.testing.assert_allclose(bnx.pmap(lambda: r.normal(()), axis_size=4)(), _nnx_split_draws(5, 4), rtol=1e-6)
-  count, acc = nnx.Variable(jnp.array(0)), nnx.Variable(jnp.zeros(()))
-  bnx.pmap(lambda x: count.set_value(count[...] + 1))(jnp.ones(4))
-  assert int(count[...]) == 1
-  with pytest.raises(bnx.BatchAxisError, match=r"Variable at \('acc',\)"):
-    bnx.pmap(lambda x: acc.set_value(acc[...] + x))(jnp.arange(4.0))
-  total = nnx.Variable(jnp.zeros(()))
-  bnx.pmap(lambda x: total.set_value(total[...] + jax.lax.psum(x, 'd')), axis_name='d')(jnp.arange(4.0))
-  assert float(total[...]) == float(jax.pmap(lambda x: jax.lax.psum(x, 'd'), axis_name='d')(jnp.arange(4.0))[0]) == 6.0
+def test_vmap_axis_size_weak_float():
+  """vmap with in_axes=None and axis_size keeps a Python float weak, as jax.vmap does."""
+  fn = lambda s: jnp.ones(3, jnp.bfloat16) * s
+  assert_same_tree(bnx.vmap(fn, in_axes=None, axis_size=2)(2.0), jax.vmap(fn, in_axes=None, axis_size=2)(2.0))
 
 
-def test_map_sequential_writes_and_chunks_match():
-  xs = jnp.arange(14.0).reshape(7, 2)
-  seen = nnx.Variable(jnp.zeros(()))
+# -- weak types, empty batches, vmap_new_states axes -------------------------------------------------
 
-  def f(row):
-    seen[...] += 1
-    return row.sum() * 2
+def test_zero_size_batch_works_like_jax_vmap():
+  xs = jnp.ones((0, 3))
+  out = bnx.vmap(lambda x: x * 2)(xs)
+  assert out.shape == jax.vmap(lambda x: x * 2)(xs).shape == (0, 3)
+  const = bnx.vmap(lambda x: jnp.float32(1.5), out_axes=None)(xs)
+  assert float(const) == float(jax.vmap(lambda x: jnp.float32(1.5), out_axes=None)(xs))
+  calls = nnx.Variable(jnp.array(0))
 
-  out = bnx.map(f, xs)
-  np.testing.assert_allclose(out, xs.sum(1) * 2)
-  assert float(seen[...]) == 7
-  np.testing.assert_allclose(bnx.map(lambda r: r.sum() * 2, xs, batch_size=3), xs.sum(1) * 2)
-  np.testing.assert_allclose(bnx.map(lambda r: r.sum() * 2, xs, batch_size=7), xs.sum(1) * 2)
+  def counted(x):
+    calls[...] += 1  # unbatched: written once, as for any batch
+    return x
+
+  assert bnx.vmap(counted)(xs).shape == (0, 3) and int(calls[...]) == 1
 
 
-def test_map_rng_per_element_and_errors():
-  rngs = nnx.Rngs(0)
-  draws = bnx.map(lambda x: x + rngs.normal(()), jnp.zeros(6), batch_size=4)
-  assert len(set(np.asarray(draws).tolist())) == 6
-  seen = nnx.Variable(jnp.zeros(()))
-  with pytest.raises(ValueError, match=r"may not write Variable at \('seen',\)"):
-    bnx.map(lambda x: seen.set_value(x), jnp.zeros(6), batch_size=2)
-  with pytest.raises(ValueError, match='batch_size must be a positive int'):
-    bnx.map(lambda x: x, jnp.zeros(6), batch_size=0)
-  with pytest.raises(ValueError, match='scalar'):
-    bnx.map(lambda x: x, jnp.float32(1.0))
-  with pytest.raises(ValueError, match='different leading sizes'):
-    bnx.map(lambda x, y: x, jnp.zeros(3), jnp.zeros(4))
+def test_vmap_new_states_honours_state_out_axes_and_side_effect_boxes():
+  box = {}
+
+  def init(x):
+    box['a'] = nnx.BatchStat(x * 2)
+
+  xs = jnp.arange(6.0).reshape(3, 2)
+  bnx.vmap_new_states(init, state_out_axes={1: nnx.BatchStat})(xs)
+  value = box['a'].get_value()
+  assert isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
+  np.testing.assert_array_equal(value, jnp.moveaxis(jax.vmap(lambda x: x * 2)(xs), 0, 1))
+
