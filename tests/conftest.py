@@ -29,13 +29,15 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+# 40 examples per property keep tests/test_properties.py and test_state_faithful.py near a
+# minute on 2 cores (each example compiles its own programs); `long` is the thorough run
 settings.register_profile(
-  'default', max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+  'default', max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile(
   'long', max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
-settings.register_profile('dev', max_examples=30, deadline=None)
+settings.register_profile('dev', max_examples=10, deadline=None)
 settings.load_profile(os.environ.get('HYPOTHESIS_PROFILE', 'default'))
 
 
