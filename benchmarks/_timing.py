@@ -96,8 +96,9 @@ def first_calls(
   trial traces and compiles anew; the variants take turns trial by trial.
   """
   samples: dict[str, list[float]] = {name: [] for name in makers}
-  for _ in range(trials):
-    for name, make in makers.items():
+  order = list(makers.items())
+  for t in range(trials):
+    for name, make in order[t % len(order):] + order[:t % len(order)]:  # a different variant first each trial
       fn = make()
       t0 = time.perf_counter()
       block(fn())
