@@ -5,7 +5,7 @@
     python benchmarks/run_all.py --only donation mapping
 
 Each run of each script is a fresh process. Scripts that write their own stamped table
-(donation, mapping, overhead; scaling and sharded_ensemble write theirs unstamped so far) do so; for those that print tables, the printed tables of every
+(donation, mapping, overhead, checkpoint_memory; scaling and sharded_ensemble write theirs unstamped so far) do so; for those that print tables, the printed tables of every
 run are written to ``results/<script>.md`` under one stamp naming that script, run by run, so
 a README range is the min-max of the per-run medians. Then ``check_readme.py`` lists any README
 figure that no stamped table holds.
@@ -28,7 +28,7 @@ SCRIPTS = {
   'mapping': ([], ['--rounds', '5', '--calls', '50'], True),
   'overhead': ([], ['--rounds', '5', '--calls', '100'], True),
   'layers': ([], ['--depths', '48', '--trials', '1', '--rounds', '3'], False),
-  'checkpoint_memory': ([], [], False),
+  'checkpoint_memory': ([], ['--length', '200', '--repeats', '1'], True),
   'ensemble_train': ([], ['--rounds', '5', '--calls', '20'], False),
   'sharded_ensemble': ([], ['--quick'], True),
   'scaling': ([], ['--quick'], True),
