@@ -29,8 +29,9 @@ def interleaved(variants: dict[str, Callable[[], object]], *, rounds: int = 30, 
     for _ in range(5):
       block(fn())
   samples: dict[str, list[float]] = {name: [] for name in variants}
-  for _ in range(rounds):
-    for name, fn in variants.items():
+  order = list(variants.items())
+  for r in range(rounds):
+    for name, fn in order[r % len(order):] + order[:r % len(order)]:  # a different variant goes first each round
       t0 = time.perf_counter()
       for _ in range(calls):
         out = fn()
@@ -95,8 +96,9 @@ def first_calls(
   trial traces and compiles anew; the variants take turns trial by trial.
   """
   samples: dict[str, list[float]] = {name: [] for name in makers}
-  for _ in range(trials):
-    for name, make in makers.items():
+  order = list(makers.items())
+  for t in range(trials):
+    for name, make in order[t % len(order):] + order[:t % len(order)]:  # a different variant first each trial
       fn = make()
       t0 = time.perf_counter()
       block(fn())
@@ -104,9 +106,11 @@ def first_calls(
   return {name: reduce(s) for name, s in samples.items()}
 
 
-def table(title: str, results: dict[str, float], unit: str, baseline: str) -> str:
+def table(title: str, results: dict[str, float], unit: str, baseline: str, with_p10: bool = False) -> str:
+  """A markdown table of per-call medians and their ratio to ``baseline`` (the one statistic the
+  README quotes; ``with_p10`` adds the 10th percentile for diagnosis only)."""
   base = results[baseline]
-  with_p10 = all(hasattr(v, 'p10') for v in results.values())
+  with_p10 = with_p10 and all(hasattr(v, 'p10') for v in results.values())
   head = f'| variant | {unit} (median) | ratio to {baseline} |'
   rule = '|---|---:|---:|'
   if with_p10:

@@ -3,8 +3,9 @@
 Run: ``python benchmarks/overhead.py`` (prints markdown tables).
 
 Model: MLP of ``depth`` Linear(32, 32) layers (ReLU between), batch 16.
-Variants, interleaved in one process:
-  raw jax.jit        pure function of a list of arrays
+Variants, interleaved in one process, each checked equal to the flat raw result before timing:
+  raw jax.jit, flat  pure function of the arrays as separate arguments (the baseline)
+  raw jax.jit, list  the same arrays as the list of (kernel, bias) pairs users write
   brainnx (closure)  ``bnx.jit(lambda x: model(x))``
   brainnx (arg)      ``bnx.jit(lambda m, x: m(x))(model, x)``
   nnx.jit            ``nnx.jit(lambda m, x: m(x))(model, x)``
@@ -19,13 +20,14 @@ import argparse
 import sys
 from pathlib import Path
 
-import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _peers  # noqa: E402
+from _results import write  # noqa: E402
 from _timing import first_calls, interleaved, table  # noqa: E402
 
 import brainnx as bnx  # noqa: E402
@@ -51,6 +53,11 @@ def pure(params, x):
   return x
 
 
+def pure_flat(*flat):
+  *arrays, x = flat
+  return pure(list(zip(arrays[::2], arrays[1::2])), x)
+
+
 def variants(depth: int, width: int = 32, batch: int = 16, cached_partial: bool = True):
   model = Stack(depth, nnx.Rngs(0), width)
   x = jnp.ones((batch, width))
@@ -60,12 +67,15 @@ def variants(depth: int, width: int = 32, batch: int = 16, cached_partial: bool 
   # call; sharing one model would time that, not the steady state.
   flax_model = nnx.merge(*nnx.split(model))
   raw = jax.jit(pure)
+  flat = [a for pair in params for a in pair]
+  raw_flat = jax.jit(pure_flat)
   closure = bnx.jit(lambda x: model(x))
   arg = bnx.jit(lambda m, x: m(x))
   nnx_jit = nnx.jit(lambda m, x: m(x))
-  ref = raw(params, x)
+  ref = raw_flat(*flat, x)
   found = {
-    'raw jax.jit': lambda: raw(params, x),
+    'raw jax.jit': lambda: raw_flat(*flat, x),
+    'raw jax.jit, list of pairs': lambda: raw(params, x),
     'brainnx.jit (closure)': lambda: closure(x),
     'brainnx.jit (arg)': lambda: arg(model, x),
     'nnx.jit': lambda: nnx_jit(flax_model, x),
@@ -80,7 +90,7 @@ def variants(depth: int, width: int = 32, batch: int = 16, cached_partial: bool 
     bst_fn = _peers.bst_forward(_peers.bst_model(params, jax.nn.relu))
     found['brainstate jit'] = lambda: bst_fn(x)
   for name, fn in found.items():
-    assert jnp.allclose(fn(), ref, atol=1e-5), f'{name} disagrees with raw jax.jit'
+    np.testing.assert_allclose(fn(), ref, rtol=1e-6, atol=1e-6, err_msg=f'{name} disagrees with raw jax.jit')
   return found
 
 
@@ -91,9 +101,9 @@ def first_call_makers(depth: int, width: int = 32, batch: int = 16):
     return _peers.params_of(Stack(depth, nnx.Rngs(0), width).layers)
 
   def raw():
-    params = fresh_params()
-    f = jax.jit(lambda p, x: pure(p, x))
-    return lambda: f(params, x)
+    flat = [a for pair in fresh_params() for a in pair]
+    f = jax.jit(lambda *flat: pure_flat(*flat))
+    return lambda: f(*flat, x)
 
   def closure():
     model = Stack(depth, nnx.Rngs(0), width)
@@ -131,30 +141,29 @@ def main(argv=None) -> None:
   parser.add_argument('--rounds', type=int, default=40)
   parser.add_argument('--calls', type=int, default=500)
   parser.add_argument('--deep', type=int, default=100, help='depth of the deep stack')
+  parser.add_argument('--no-write', dest='write', action='store_false', help='print only')
   args = parser.parse_args(argv)
-  print(f'jax {jax.__version__}, flax {flax.__version__}, {_peers.versions()} on {jax.devices()[0].platform}')
-  print(_peers.notes() + '\n')
-
+  out = [f'{_peers.versions()}. {_peers.notes()}']
   shallow = interleaved(variants(2), rounds=args.rounds, calls=args.calls)
-  print(table('2-layer MLP 32x32, batch 16: per-call median', shallow, 'us', 'raw jax.jit'))
+  out.append(table(f'2-layer MLP 32x32, batch 16, {args.rounds} rounds of {args.calls} calls', shallow, 'µs', 'raw jax.jit'))
   first = first_calls(first_call_makers(2))
-  print()
-  print(table('2-layer MLP: first call (trace + compile)', first, 'ms', 'raw jax.jit'))
+  out.append(table('2-layer MLP: first call (trace + compile)', first, 'ms', 'raw jax.jit'))
   first_deep = first_calls(first_call_makers(args.deep), trials=3)
-  print()
-  print(table(f'{args.deep}-layer stack: first call (trace + compile)', first_deep, 'ms', 'raw jax.jit'))
-
-  deep = interleaved(variants(args.deep), rounds=max(10, args.rounds // 4), calls=max(10, args.calls // 4))
-  print()
-  print(table(f'{args.deep}-layer stack: per-call median', deep, 'us', 'raw jax.jit'))
+  out.append(table(f'{args.deep}-layer stack: first call (trace + compile)', first_deep, 'ms', 'raw jax.jit'))
+  deep_rounds, deep_calls = max(10, args.rounds // 4), max(10, args.calls // 4)
+  deep = interleaved(variants(args.deep), rounds=deep_rounds, calls=deep_calls)
+  out.append(table(f'{args.deep}-layer stack, {deep_rounds} rounds of {deep_calls} calls', deep, 'µs', 'raw jax.jit'))
   extra_vars = 2 * (args.deep - 2)
-  print()
-  print('### Overhead growth per extra Variable (brainnx minus raw, deep minus shallow)')
-  print()
+  lines = ['### Overhead growth per extra Variable (variant minus raw, deep minus shallow)', '',
+           '| variant | µs per Variable |', '|---|---:|']
   for name in [n for n in deep if n not in ('raw jax.jit', 'nnx.cached_partial')]:
     growth = ((deep[name] - deep['raw jax.jit']) - (shallow[name] - shallow['raw jax.jit'])) / extra_vars
-    print(f'- {name}: {growth:.3f} us per Variable')
-
+    lines.append(f'| {name} | {growth:.3f} |')
+  out.append('\n'.join(lines))
+  text = '\n\n'.join(out)
+  print(text)
+  if args.write:
+    print('wrote', write('overhead.md', 'overhead.py', text))
 
 if __name__ == '__main__':
   main()

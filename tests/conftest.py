@@ -1,22 +1,51 @@
-"""Test configuration: 4 CPU devices for pmap tests, hypothesis profiles."""
+"""Test configuration: 4 CPU devices for the multi-device tests, hypothesis profiles.
+
+The device count is forced whatever ``XLA_FLAGS`` already holds: another
+``--xla_force_host_platform_device_count`` in it is replaced, other flags are
+kept. If JAX was imported before this file ran, the flag can no longer take
+effect, and the session stops with a message instead of skipping the
+multi-device tests.
+"""
 
 import os
+import re
+import sys
 
-# Must happen before jax is imported anywhere.
-os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=4')
+DEVICES = 4
+_FLAG = '--xla_force_host_platform_device_count'
+
+
+def forced_xla_flags(flags: str, devices: int = DEVICES) -> str:
+  """``flags`` with the host device count set to ``devices`` (replaced if present)."""
+  kept = re.sub(rf'{_FLAG}=\S*', '', flags).split()
+  return ' '.join([*kept, f'{_FLAG}={devices}'])
+
+
+if 'jax' in sys.modules and os.environ.get('XLA_FLAGS') != forced_xla_flags(os.environ.get('XLA_FLAGS', '')):
+  raise RuntimeError(f'jax was imported before tests/conftest.py could set {_FLAG}={DEVICES} in XLA_FLAGS')
+os.environ['XLA_FLAGS'] = forced_xla_flags(os.environ.get('XLA_FLAGS', ''))
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+# 40 examples per property keep tests/test_properties.py and test_state_faithful.py near a
+# minute on 2 cores (each example compiles its own programs); `long` is the thorough run
 settings.register_profile(
-  'default', max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+  'default', max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile(
   'long', max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
-settings.register_profile('dev', max_examples=30, deadline=None)
+settings.register_profile('dev', max_examples=10, deadline=None)
 settings.load_profile(os.environ.get('HYPOTHESIS_PROFILE', 'default'))
+
+
+def pytest_sessionstart(session):
+  import jax
+
+  if jax.default_backend() == 'cpu' and jax.local_device_count() != DEVICES:
+    raise pytest.UsageError(f'expected {DEVICES} CPU devices from XLA_FLAGS, got {jax.local_device_count()}')
 
 
 @pytest.fixture(autouse=True)

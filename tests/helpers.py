@@ -73,3 +73,35 @@ def run_in_threads(work, n: int) -> None:
     t.join()
   if errors:
     raise errors[0]
+
+
+def linear(din=3, dout=2, seed=0):
+  return nnx.Linear(din, dout, rngs=nnx.Rngs(seed))
+
+
+def concrete(variable):
+  """The Variable's raw value, asserted to be a concrete jax.Array (no tracer)."""
+  raw = variable.get_raw_value()
+  assert isinstance(raw, jax.Array), type(raw)
+  assert not isinstance(raw, jax.core.Tracer), raw
+  return raw
+
+
+def assert_same_tree(got, want):
+  """Same tree, and per leaf the same shape, dtype and values."""
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(b, np.float64))
+
+
+def nnx_split_draws(seed, n):
+  """The oracle for one call: flax's own ``nnx.split_rngs`` + ``nnx.vmap`` drawing from Rngs(seed)."""
+  @nnx.split_rngs(splits=n)
+  @nnx.vmap(in_axes=0)
+  def draw(rngs):
+    return rngs.normal(())
+
+  return draw(nnx.Rngs(seed))

@@ -98,7 +98,7 @@ def test_batched_predicate_under_vmap_follows_out_axis_rules():
   x = jnp.ones(2)
   branches = _stateful_branches(c)[:2]
   # a write that differs per element needs a declared axis, as every mapped write
-  with pytest.raises(bnx.BatchAxisError):
+  with pytest.raises(bnx.BatchAxisError, match=r"Variable at \('c', '(hits|total)'\) is broadcast into the mapped call"):
     bnx.vmap(lambda p: bnx.cond(p, branches[0], branches[1], x))(preds)
   total, hits = c.total[...], c.hits[...]
   outs = bnx.vmap(lambda p: bnx.cond(p, branches[0], branches[1], x), state_out_axes={0: nnx.Not(nnx.RngState)})(preds)

@@ -93,7 +93,7 @@ def test_demo_module_entry_point(tmp_path):
 ])
 def test_bad_flags_are_argparse_errors(flags, message, capsys, tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
-  with pytest.raises(SystemExit) as exc:
+  with pytest.raises(SystemExit, match="^2$") as exc:  # argparse's exit status
     demo.main(flags)
   assert exc.value.code == 2
   err = capsys.readouterr().err
@@ -153,7 +153,7 @@ def test_checkpoint_resume_equals_uninterrupted(tmp_path, capsys):
     assert f'nothing to train: the checkpoint in {tmp_path / "a"} {word}' in text and 'trained 2' not in text
     assert again['trained'] == 0 and again['step'] == 30
     np.testing.assert_array_equal(again['losses'], whole['losses'])
-  with pytest.raises(SystemExit) as exc:
+  with pytest.raises(SystemExit, match="^2$") as exc:  # argparse's exit status
     demo.main(['--members', '3', '--steps', '30', '--no-plot', '--checkpoint-dir', str(tmp_path / 'a')])
   assert exc.value.code == 2 and 'another run' in capsys.readouterr().err
 
@@ -171,7 +171,7 @@ def test_ctrl_c_during_a_save_prints_one_message_and_the_run_resumes(tmp_path, c
   monkeypatch.setattr(demo.Checkpoints, 'save', save_then_ctrl_c)
   flags = ['--members', '2', '--steps', '40', '--checkpoint-every', '10', '--no-plot',
            '--checkpoint-dir', str(tmp_path / 'c')]
-  with pytest.raises(SystemExit) as exc:
+  with pytest.raises(SystemExit, match="^2$") as exc:  # argparse's exit status
     demo.main(flags)
   err = capsys.readouterr().err
   assert exc.value.code == 130 and saves == [10, 20]  # the save in progress was completed

@@ -1,14 +1,22 @@
 """Discovery: which Variables a call can reach, with which paths."""
 
+import dataclasses
 import functools
+import types
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
 
+import brainnx as bnx
 from brainnx._engine.discovery import discover
-from helpers import MLP
+from helpers import MLP, concrete, linear
+
+X = jax.random.normal(jax.random.key(0), (4, 3))
+Y = jax.random.normal(jax.random.key(1), (4, 2))
 
 GLOBAL_MODEL = MLP(2, 3, 1, rngs=nnx.Rngs(0))
 
@@ -159,3 +167,115 @@ def test_static_attributes_are_part_of_the_signature(static):
   sa = discover(lambda m: None, (a,), {}).signature
   sb = discover(lambda m: None, (b,), {}).signature
   assert (sa == sb) == (static is False)
+
+
+# -- plain objects holding modules, found through their attributes -----------------------------------
+
+def _trainer_step(self, x, y):
+  def loss_fn():
+    return ((self.model(x) - y) ** 2).mean()
+
+  grads, loss = bnx.grad(loss_fn, grad_states=self.model, return_value=True)()
+  self.opt.update(self.model, grads)
+  return loss
+
+
+class PlainTrainer:
+  def __init__(self, model, opt):
+    self.model, self.opt = model, opt
+
+  step = bnx.jit(_trainer_step)
+
+
+@dataclasses.dataclass
+class DataclassTrainer:
+  model: nnx.Linear
+  opt: nnx.Optimizer
+
+  step = bnx.jit(_trainer_step)
+
+
+@pytest.mark.parametrize('trainer_cls', [PlainTrainer, DataclassTrainer])
+def test_trainer_method_step_matches_optax(trainer_cls):
+  """A @bnx.jit method on a plain/dataclass object holding model + Optimizer trains like optax."""
+  model = linear()
+  tx = optax.adam(1e-2)
+  params = {'kernel': model.kernel[...], 'bias': model.bias[...]}
+  trainer = trainer_cls(model, nnx.Optimizer(model, tx, wrt=nnx.Param))
+
+  def pure_loss(p, x, y):
+    return ((x @ p['kernel'] + p['bias'] - y) ** 2).mean()
+
+  @jax.jit
+  def pure_step(p, s, x, y):
+    loss, g = jax.value_and_grad(pure_loss)(p, x, y)
+    updates, s = tx.update(g, s, p)
+    return optax.apply_updates(p, updates), s, loss
+
+  opt_state = tx.init(params)
+  for k in range(3):
+    loss = trainer.step(X + k, Y)
+    params, opt_state, loss_ref = pure_step(params, opt_state, X + k, Y)
+    np.testing.assert_allclose(loss, loss_ref, rtol=1e-5)
+  np.testing.assert_allclose(concrete(model.kernel), params['kernel'], rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(concrete(model.bias), params['bias'], rtol=1e-5, atol=1e-7)
+  assert int(trainer.opt.step[...]) == 3
+
+
+def test_module_through_namespace_is_not_baked():
+  """A module reached via a plain object attribute is an input, not a jaxpr constant."""
+  m = linear()
+  t = types.SimpleNamespace(model=m)
+  f = bnx.jit(lambda x: t.model(x))
+  np.testing.assert_allclose(f(X), X @ m.kernel[...] + m.bias[...], rtol=1e-6)
+  t.model.bias[...] = jnp.full((2,), 100.0)
+  np.testing.assert_allclose(f(X), X @ m.kernel[...] + 100.0, rtol=1e-6)
+
+
+def test_namespace_attribute_rebound_is_followed():
+  """Rebinding a plain object's attribute to another module changes what the next call uses."""
+  a, b = linear(seed=0), linear(seed=1)
+  t = types.SimpleNamespace(model=a)
+  f = bnx.jit(lambda x: t.model(x))
+  np.testing.assert_allclose(f(X), X @ a.kernel[...] + a.bias[...], rtol=1e-6)
+  t.model = b
+  np.testing.assert_allclose(f(X), X @ b.kernel[...] + b.bias[...], rtol=1e-6)
+
+
+def test_write_through_namespace_is_visible():
+  """A Variable written through a plain object attribute is written back, concrete."""
+  t = types.SimpleNamespace(count=nnx.Variable(jnp.array(0)))
+
+  @bnx.jit
+  def f(x):
+    t.count[...] += 1
+    return x * 2
+
+  f(X), f(X)
+  assert int(concrete(t.count)) == 2
+
+
+class _Node:
+  pass
+
+
+def test_cyclic_plain_object():
+  """An object whose attribute refers back to itself is discovered without recursion errors."""
+  m = linear()
+  h = _Node()
+  h.me, h.model, h.family = h, m, [h]
+  h.count = nnx.Variable(jnp.array(0))
+
+  def body(holder, x):
+    holder.me.count[...] += 1
+    return holder.family[0].model(x)
+
+  f = bnx.jit(lambda x: body(h, x))
+  g = bnx.jit(body)
+  np.testing.assert_allclose(f(X), X @ m.kernel[...] + m.bias[...], rtol=1e-6)
+  np.testing.assert_allclose(g(h, X), X @ m.kernel[...] + m.bias[...], rtol=1e-6)
+  m.bias[...] = jnp.full((2,), -5.0)
+  np.testing.assert_allclose(f(X), X @ m.kernel[...] - 5.0, rtol=1e-6)
+  np.testing.assert_allclose(g(h, X), X @ m.kernel[...] - 5.0, rtol=1e-6)
+  assert int(concrete(h.count)) == 4
+

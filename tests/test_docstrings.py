@@ -12,6 +12,8 @@ import brainnx
 MODULES = sorted(
   name for _, name, _ in pkgutil.walk_packages(brainnx.__path__, 'brainnx.') if name != 'brainnx.demo'
 )
+# the modules that define a public name: each has examples to run (others may have none)
+DEFINING = sorted({getattr(brainnx, n).__module__ for n in brainnx.__all__} & set(MODULES))
 
 
 @pytest.mark.parametrize('name', MODULES)
@@ -19,6 +21,12 @@ def test_docstring_examples(name):
   module = importlib.import_module(name)
   result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
   assert result.failed == 0
+  if name in DEFINING:
+    assert result.attempted > 0, f'{name} defines public names but has no example to run'
+
+
+def test_the_examples_cover_the_public_modules():
+  assert len(DEFINING) >= 5, DEFINING  # the package's public names come from its _transforms and _engine modules
 
 
 def test_every_public_name_has_an_example():

@@ -67,3 +67,22 @@ def test_mutable_array_variables_are_refused_clearly():
   v = nnx.Variable(jnp.zeros(2), ref=True)
   with pytest.raises(TypeError, match=r"Variable at \('v',\) was created with hijax=True or ref=True"):
     bnx.jit(lambda: v[...] + 1)()
+
+
+# -- Variables holding values that are not arrays ----------------------------------------------------
+
+def test_jit_reads_str_variable():
+  """Reading a Variable that holds a str inside jit raises TypeError naming the Variable."""
+  label_var = nnx.Variable('hello')
+  f = bnx.jit(lambda x: x * len(label_var.get_value()))
+  with pytest.raises(TypeError, match=r"Variable at \('label_var',\) holds a str \('hello'\), not an array"):
+    f(jnp.ones(2))
+
+
+def test_jit_reads_object_variable():
+  """Reading a Variable that holds an arbitrary object inside jit raises TypeError naming it."""
+  obj_var = nnx.Variable(object())
+  f = bnx.jit(lambda x: x if obj_var.get_value() is not None else -x)
+  with pytest.raises(TypeError, match=r"Variable at \('obj_var',\) holds a object \(<object object at 0x[0-9a-f]+>\), not an array"):
+    f(jnp.ones(2))
+

@@ -14,6 +14,7 @@ from flax import nnx
 
 import brainnx as bnx
 from brainnx import _compat
+from helpers import assert_same_tree
 
 X = jax.random.normal(jax.random.key(0), (4, 3))
 
@@ -175,3 +176,64 @@ def test_user_module_classes_count_edits():
   f(), f(), f()
   m.w = nnx.Param(jnp.full(2, 4.0))
   assert float(f()) == 8.0
+
+
+# -- names rebound between calls ---------------------------------------------------------------------
+
+M_GUARD = None
+
+
+SCALE_GUARD = 2.0
+
+
+def test_global_rebound_from_none_to_module():
+  """A global rebound from None to a module is seen by the next call."""
+  global M_GUARD
+  M_GUARD = None
+  try:
+    f = bnx.jit(lambda x: x if M_GUARD is None else M_GUARD(x))
+    x = jnp.ones(2)
+    assert_same_tree(f(x), x)
+    M_GUARD = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    y = f(x)
+    assert y.shape == (3,)
+    np.testing.assert_allclose(y, M_GUARD(x), rtol=1e-6)
+  finally:
+    M_GUARD = None
+
+
+def test_closure_rebound_from_none_to_module():
+  """A closure cell rebound from None to a module is seen by the next call."""
+  m = None
+  f = bnx.jit(lambda x: x if m is None else m(x))
+  x = jnp.ones(2)
+  assert_same_tree(f(x), x)
+  m = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+  y = f(x)
+  assert y.shape == (3,)
+  np.testing.assert_allclose(y, m(x), rtol=1e-6)
+
+
+def test_global_float_rebound():
+  """A global float the trace read is guarded: 2.0 -> 3.0 changes the result (unlike jax.jit)."""
+  global SCALE_GUARD
+  SCALE_GUARD = 2.0
+  try:
+    f = bnx.jit(lambda x: x * SCALE_GUARD)
+    x = jnp.arange(3.0)
+    np.testing.assert_array_equal(f(x), x * 2.0)
+    SCALE_GUARD = 3.0
+    np.testing.assert_array_equal(f(x), x * 3.0)
+  finally:
+    SCALE_GUARD = 2.0
+
+
+def test_closure_float_rebound():
+  """A closure float the trace read is guarded: 2.0 -> 3.0 changes the result."""
+  scale = 2.0
+  f = bnx.jit(lambda x: x * scale)
+  x = jnp.arange(3.0)
+  np.testing.assert_array_equal(f(x), x * 2.0)
+  scale = 3.0
+  np.testing.assert_array_equal(f(x), x * 3.0)
+

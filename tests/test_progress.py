@@ -131,3 +131,15 @@ def test_under_disable_jit():
     carry, _ = bnx.scan(step, 0.0, jnp.arange(4.0), pbar=pbar)
   assert float(carry) == 6.0
   assert_one_complete_bar(out, 4)
+
+
+# -- keywords and sizes checked early ----------------------------------------------------------------
+
+def test_progress_bar_keywords_and_sizes_are_checked_early():
+  with pytest.raises(TypeError, match="'bogus' is not a tqdm keyword"):
+    bnx.ProgressBar(bogus=1)
+  with pytest.raises(ValueError, match=r'freq=100 is larger than the loop \(4 steps\)'):
+    bnx.scan(lambda c, x: (c, x), 0.0, jnp.ones(4), pbar=bnx.ProgressBar(freq=100))
+  with pytest.raises(ValueError, match=r'count=100 is larger than the loop \(4 steps\)'):
+    bnx.for_loop(lambda x: x, jnp.ones(4), pbar=bnx.ProgressBar(count=100))
+

@@ -49,10 +49,7 @@ def test_side_by_side_columns_run_and_use_per_member_dropout():
 
 
 def test_mesh_snippet_runs_and_splits_the_members():
-  import pytest
-
-  if jax.device_count() < 4:
-    pytest.skip('needs the 4 CPU devices of tests/conftest.py')
+  assert jax.device_count() >= 4, 'needs the 4 CPU devices that tests/conftest.py forces'
   import brainnx as bnx
 
   (block,) = [b for b in BLOCKS if 'state_shardings' in b]

@@ -1,7 +1,8 @@
 """Many devices: jit shardings, flax sharding metadata, shard_map, a sharded ensemble.
 
 Runs on the 4 CPU devices that ``conftest.py`` forces. Oracles: ``jax.jit`` and
-``jax.shard_map`` on the pure function of ``nnx.split`` state; the 1-device run.
+``jax.shard_map`` on the pure function of ``nnx.split`` state; the ensemble against
+``jax.jit(jax.vmap)`` of a pure optax step on plain arrays.
 """
 
 import jax
@@ -14,9 +15,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import brainnx as bnx
 from brainnx.demo import MLP, make_data
-from helpers import values_of
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason='needs 4 devices (tests/conftest.py forces them on CPU)')
+assert jax.device_count() >= 4, 'needs the 4 CPU devices that tests/conftest.py forces'
 
 
 def _mesh(name='x', kind=AxisType.Explicit):
@@ -214,18 +214,36 @@ def _step(**vmap_kw):
   return step
 
 
+def _pure_mlp(p, x):
+  h = jnp.tanh(x @ p['l1']['kernel'] + p['l1']['bias'])
+  h = jnp.tanh(h @ p['l2']['kernel'] + p['l2']['bias'])
+  return h @ p['l3']['kernel'] + p['l3']['bias']
+
+
+def _pure_params(ensemble):
+  return {n: {k: jnp.asarray(getattr(getattr(ensemble, n), k)[...]) for k in ('kernel', 'bias')} for n in ('l1', 'l2', 'l3')}
+
+
 @pytest.mark.parametrize('kind', [AxisType.Explicit, AxisType.Auto])
-def test_sharded_ensemble_holds_two_members_per_device_and_equals_one_device(kind):
+def test_sharded_ensemble_holds_two_members_per_device_and_equals_pure_jax(kind):
   x, y, _ = make_data(0, 32)
-  single, single_opt = _ensemble()
-  one_device = bnx.jit(_step())
+  tx = optax.adam(1e-2)
+
+  def pure_step(p, s, x, y):
+    loss, g = jax.value_and_grad(lambda p: ((_pure_mlp(p, x) - y) ** 2).mean())(p)
+    updates, s = tx.update(g, s, p)
+    return optax.apply_updates(p, updates), s, loss
+
   mesh = jax.make_mesh((4,), ('ens',), axis_types=(kind,))
   ensemble, optimizers = _ensemble()
+  params = _pure_params(ensemble)
+  opt_state = jax.vmap(tx.init)(params)
+  pure = jax.jit(jax.vmap(pure_step, in_axes=(0, 0, None, None)))
   with jax.set_mesh(mesh):
     sharded = bnx.jit(_step(spmd_axis_name='ens'), state_shardings={P('ens'): ...})
     for _ in range(20):
       loss = sharded(ensemble, optimizers, x, y)
-      one_device(single, single_opt, x, y)
+      params, opt_state, ref_loss = pure(params, opt_state, x, y)
   for node in (ensemble, optimizers):
     for path, v in nnx.iter_graph(node):
       if isinstance(v, nnx.Variable):
@@ -234,6 +252,7 @@ def test_sharded_ensemble_holds_two_members_per_device_and_equals_one_device(kin
         assert sorted(s.device.id for s in value.addressable_shards) == [0, 1, 2, 3]
         assert {s.data.shape[0] for s in value.addressable_shards} == {2}, path
   assert loss.sharding.spec == P('ens')
-  expect, got = values_of(single), values_of(ensemble)
-  for path in expect:
-    np.testing.assert_allclose(got[path], expect[path], rtol=2e-5, atol=2e-6, err_msg=str(path))
+  # float32 sums split across devices round differently: 20 adam steps of lr 1e-2 stay within
+  # a few ulps of the parameters' scale
+  np.testing.assert_allclose(loss, ref_loss, rtol=2e-5, atol=2e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), _pure_params(ensemble), params)

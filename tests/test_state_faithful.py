@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import brainnx as bnx
@@ -35,16 +35,25 @@ def _flat_state(node):
   return {path: (v.get_value() if isinstance(v, nnx.Variable) else v) for path, v in nnx.to_flat_state(nnx.state(node))}
 
 
+SHAPES = [(1,), (3,), (2, 2)]
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+# elementwise steps a drawn computation chains; each keeps the dtype
+STEPS = {'inc': lambda a: a + 1, 'tanh': jnp.tanh, 'neg': jnp.negative, 'square': jnp.square, 'half': lambda a: a * 0.5}
+
+
 @st.composite
-def module_trees(draw, depth=0, shared=None):
+def module_trees(draw, depth=0, shared=None, dtype=None):
   """A random Module tree: Params, custom Variables, data arrays, nnx.List / nnx.Dict children,
-  shared submodules, ``pytree=False`` modules."""
+  shared submodules, ``pytree=False`` modules; leaves of drawn shapes and values, one dtype."""
   shared = [] if shared is None else shared
+  dtype = draw(st.sampled_from(DTYPES)) if dtype is None else dtype
   node = (Loose if draw(st.booleans()) else Node)()
   for k in range(draw(st.integers(1, 4))):
     kind = draw(st.sampled_from(['param', 'custom', 'array', 'list', 'dict', 'child', 'shared']))
     name = f'{kind}{k}'
-    value = jnp.full((draw(st.integers(1, 3)),), float(draw(st.integers(0, 9))))
+    shape = draw(st.sampled_from(SHAPES))
+    value = jnp.asarray(np.asarray(draw(st.lists(st.floats(-4, 4, width=16), min_size=int(np.prod(shape)),
+                                                 max_size=int(np.prod(shape)))), np.float32).reshape(shape), dtype)
     if kind == 'param':
       setattr(node, name, nnx.Param(value))
     elif kind == 'custom':
@@ -52,7 +61,7 @@ def module_trees(draw, depth=0, shared=None):
     elif kind == 'array':
       setattr(node, name, nnx.data(value))
     elif kind in ('list', 'dict', 'child') and depth < 2:
-      children = [draw(module_trees(depth + 1, shared)) for _ in range(draw(st.integers(1, 2)))]
+      children = [draw(module_trees(depth + 1, shared, dtype)) for _ in range(draw(st.integers(1, 2)))]
       shared.extend(children)
       if kind == 'list':
         setattr(node, name, nnx.List(children))
@@ -67,14 +76,21 @@ def module_trees(draw, depth=0, shared=None):
   return node
 
 
-def _bump_all(m):
-  """Adds 1 to every state leaf, through NNX's own view of the state."""
-  nnx.update(m, jax.tree.map(lambda x: x + 1, nnx.state(m)))
+def _apply_to_all(steps):
+  """A function applying the chain of ``steps`` to every state leaf, through NNX's own view of the state."""
+  def f(m):
+    def chain(x):
+      for step in steps:
+        x = STEPS[step](x)
+      return x
+
+    nnx.update(m, jax.tree.map(chain, nnx.state(m)))
+
+  return f
 
 
-@settings(max_examples=40, deadline=None)
-@given(module_trees())
-def test_discovery_equals_nnx_state_and_jit_writes_like_nnx_jit(tree):
+@given(module_trees(), st.lists(st.sampled_from(sorted(STEPS)), min_size=1, max_size=3))
+def test_discovery_equals_nnx_state_and_jit_writes_like_nnx_jit(tree, steps):
   expected = _flat_state(tree)
   disc = discover(lambda m: m, (tree,), {})
   paths = [p[1:] for p in disc.paths]
@@ -84,13 +100,14 @@ def test_discovery_equals_nnx_state_and_jit_writes_like_nnx_jit(tree):
     np.testing.assert_array_equal(_value(v), expected[p])
 
   oracle = nnx.clone(tree)
-  nnx.jit(_bump_all)(oracle)
-  bnx.jit(_bump_all)(tree)
+  nnx.jit(_apply_to_all(steps))(oracle)
+  bnx.jit(_apply_to_all(steps))(tree)
   got, want = _flat_state(tree), _flat_state(oracle)
   assert got.keys() == want.keys()
   for p in want:
     assert isinstance(got[p], jax.Array) and not isinstance(got[p], jax.core.Tracer), p
-    np.testing.assert_array_equal(got[p], want[p], err_msg=str(p))
+    assert got[p].dtype == want[p].dtype, p
+    np.testing.assert_array_equal(got[p], want[p], err_msg=str(p))  # same program on the same values
 
 
 def _value(v):

@@ -190,3 +190,39 @@ def test_jaxpr_call_checks_state_count():
   sf = bnx.StatefulFunction(lambda: w[...] * 2)
   with pytest.raises(ValueError, match='expected 1 state values'):
     sf.jaxpr_call([])
+
+
+# -- jaxpr_call checks its state values --------------------------------------------------------------
+
+def _jaxpr_call_setup():
+  weight_param = nnx.Param(jnp.ones(3))
+  sf = bnx.StatefulFunction(lambda x: x * weight_param[...])
+  x = jnp.arange(3.0)
+  # sanity: the right state values work
+  new_vals, out = sf.jaxpr_call([jnp.full(3, 2.0)], x)
+  np.testing.assert_array_equal(out, x * 2.0)
+  return sf, x
+
+
+def test_jaxpr_call_wrong_shape_names_state():
+  """jaxpr_call with a wrong-shaped state value raises ValueError naming the Param."""
+  sf, x = _jaxpr_call_setup()
+  with pytest.raises(ValueError, match=r"Param at \('weight_param',\) is float32\[5\], but the trace expects float32\[3\]"):
+    sf.jaxpr_call([jnp.ones(5)], x)
+
+
+def test_jaxpr_call_wrong_dtype():
+  """jaxpr_call with an int32 value for a float32 Param raises ValueError."""
+  sf, x = _jaxpr_call_setup()
+  with pytest.raises(ValueError, match=r"Param at \('weight_param',\) is int32\[3\], but the trace expects float32\[3\]"):
+    sf.jaxpr_call([jnp.ones(3, jnp.int32)], x)
+
+
+def test_jaxpr_call_wrong_count():
+  """jaxpr_call with the wrong number of state values raises ValueError."""
+  sf, x = _jaxpr_call_setup()
+  with pytest.raises(ValueError, match=r'expected 1 state values \(one per get_states\(\) entry\), got 0'):
+    sf.jaxpr_call([], x)
+  with pytest.raises(ValueError, match=r'expected 1 state values \(one per get_states\(\) entry\), got 2'):
+    sf.jaxpr_call([jnp.ones(3), jnp.ones(3)], x)
+

@@ -1,0 +1,74 @@
+"""pmap on the 4 CPU devices of conftest.py and map, against jax.pmap / jax.lax.map on pure pytrees,
+flax's own nnx.split_rngs + nnx.vmap for the RNG keys, or a Python loop."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import brainnx as bnx
+from helpers import MLP, mlp_params, mlp_pure, nnx_split_draws
+
+X = jax.random.normal(jax.random.key(0), (5, 3))
+
+
+def ensemble(n=8, seed=0):
+  rngs = nnx.Rngs(seed)
+  return bnx.vmap(lambda: MLP(3, 4, 2, rngs=rngs), axis_size=n)()
+
+
+def test_pmap_on_four_devices_equals_jax_pmap():
+  assert jax.local_device_count() >= 4
+  ens = ensemble(4)
+  p = bnx.pmap(lambda m, x: m(x), in_axes=(0, None))(ens, X)
+  ref = jax.pmap(mlp_pure, in_axes=(0, None))(mlp_params(ens), X)
+  np.testing.assert_allclose(p, ref, rtol=1e-6)
+  r = nnx.Rngs(5)
+  np.testing.assert_allclose(bnx.pmap(lambda: r.normal(()), axis_size=4)(), nnx_split_draws(5, 4), rtol=1e-6)
+  count, acc = nnx.Variable(jnp.array(0)), nnx.Variable(jnp.zeros(()))
+  bnx.pmap(lambda x: count.set_value(count[...] + 1))(jnp.ones(4))
+  assert int(count[...]) == 1
+  with pytest.raises(bnx.BatchAxisError, match=r"Variable at \('acc',\)"):
+    bnx.pmap(lambda x: acc.set_value(acc[...] + x))(jnp.arange(4.0))
+  total = nnx.Variable(jnp.zeros(()))
+  bnx.pmap(lambda x: total.set_value(total[...] + jax.lax.psum(x, 'd')), axis_name='d')(jnp.arange(4.0))
+  assert float(total[...]) == float(jax.pmap(lambda x: jax.lax.psum(x, 'd'), axis_name='d')(jnp.arange(4.0))[0]) == 6.0
+
+
+def test_map_sequential_writes_and_chunks_match():
+  xs = jnp.arange(14.0).reshape(7, 2)
+  seen = nnx.Variable(jnp.zeros(()))
+
+  def f(row):
+    seen[...] += 1
+    return row.sum() * 2
+
+  out = bnx.map(f, xs)
+  np.testing.assert_allclose(out, xs.sum(1) * 2)
+  assert float(seen[...]) == 7
+  np.testing.assert_allclose(bnx.map(lambda r: r.sum() * 2, xs, batch_size=3), xs.sum(1) * 2)
+  np.testing.assert_allclose(bnx.map(lambda r: r.sum() * 2, xs, batch_size=7), xs.sum(1) * 2)
+
+
+def test_map_rng_per_element_and_errors():
+  rngs = nnx.Rngs(0)
+  draws = bnx.map(lambda x: x + rngs.normal(()), jnp.zeros(6), batch_size=4)
+  assert len(set(np.asarray(draws).tolist())) == 6
+  seen = nnx.Variable(jnp.zeros(()))
+  with pytest.raises(ValueError, match=r"may not write Variable at \('seen',\)"):
+    bnx.map(lambda x: seen.set_value(x), jnp.zeros(6), batch_size=2)
+  with pytest.raises(ValueError, match='batch_size must be a positive int'):
+    bnx.map(lambda x: x, jnp.zeros(6), batch_size=0)
+  with pytest.raises(ValueError, match='scalar'):
+    bnx.map(lambda x: x, jnp.float32(1.0))
+  with pytest.raises(ValueError, match='different leading sizes'):
+    bnx.map(lambda x, y: x, jnp.zeros(3), jnp.zeros(4))
+
+
+def test_negative_axis_size_and_pmap_over_too_many_elements_are_named():
+  with pytest.raises(ValueError, match='axis_size=-1'):
+    bnx.vmap(lambda: 1.0, axis_size=-1)
+  n = jax.local_device_count()
+  with pytest.raises(ValueError, match=rf'{n + 1} elements but there are only {n} devices'):
+    bnx.pmap(lambda x: x * 2)(jnp.ones(n + 1))
