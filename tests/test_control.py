@@ -207,7 +207,7 @@ def test_batched_number_predicates_under_vmap_match_jax_vmap_of_lax_cond(preds):
   ids=['none', 'str', 'complex', 'vector', 'list'],
 )
 def test_cond_refuses_what_lax_cond_refuses_with_a_type_error_naming_the_predicate(pred, match):
-  with pytest.raises(TypeError):  # the oracle: jax.lax.cond refuses it too
+  with pytest.raises(TypeError, match=r'(?i)pred'):  # the oracle: jax.lax.cond refuses it too
     jax.lax.cond(pred, lambda: 1.0, lambda: 0.0)
   c = Counter()
   before = values_of(c)
@@ -219,7 +219,7 @@ def test_cond_refuses_what_lax_cond_refuses_with_a_type_error_naming_the_predica
 @pytest.mark.parametrize('index', ['1', 1.5, True, None, 1j, jnp.array([1])], ids=repr)
 def test_switch_refuses_what_lax_switch_refuses_naming_the_index(index):
   branches = [lambda: 0.0, lambda: 1.0]
-  with pytest.raises(TypeError):  # the oracle
+  with pytest.raises(TypeError, match=r'(Index type must be an integer|Branch index must be scalar)'):  # the oracle
     jax.lax.switch(index, branches)
   with pytest.raises(TypeError, match='switch: `index` must be an integer scalar'):
     bnx.switch(index, branches)

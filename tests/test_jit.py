@@ -385,7 +385,7 @@ def test_threads_call_one_jitted_function():
   ids=['static-float', 'static-str', 'static-float-inside', 'names-int', 'names-mixed', 'donate-float'],
 )
 def test_jit_keywords_of_the_wrong_type_are_type_errors_naming_the_parameter(kwargs, match):
-  with pytest.raises(TypeError):  # jax.jit refuses these values too
+  with pytest.raises(TypeError, match=r'not iterable|cannot be interpreted as an integer|not a string'):  # jax.jit refuses these too
     jax.jit(lambda x, y=0: x, **kwargs).lower(1.0)
   with pytest.raises(TypeError, match=match):
     bnx.jit(lambda x, y=0: x, **kwargs)

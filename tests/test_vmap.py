@@ -616,7 +616,7 @@ def test_batched_new_variables_declared_unbatched_are_a_batch_axis_error_naming_
   with pytest.raises(bnx.BatchAxisError, match=r"vmap: Param at \('kernel',\) of the Linear created inside is declared state_out_axes=None"):
     bnx.vmap(lambda: nnx.Linear(2, 3, rngs=rngs), axis_size=3, state_out_axes={None: nnx.Param})()
   # the oracle: nnx.vmap refuses a batched value placed unbatched too
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match='got axis spec None but output was batched'):
     nnx.split_rngs(splits=3)(nnx.vmap(lambda r: nnx.Linear(2, 3, rngs=r), in_axes=0, out_axes=None, axis_size=3))(rngs)
   shared = bnx.vmap(lambda: nnx.Linear(2, 3, rngs=nnx.Rngs(1)), axis_size=3, state_out_axes={None: nnx.Param})()
   ref = nnx.Linear(2, 3, rngs=nnx.Rngs(1))  # independent of the batch: one shared copy is fine

@@ -464,7 +464,7 @@ def _check_unbatched_outputs(cfg: MapConfig, spec, leaves: list, axes: list, bat
           raise BatchAxisError(
             f'{cfg.name}: {type(var).__name__} at {tuple(var_path)!r} of the {_created_type(slot.graphdef)} created '
             f'inside is declared {how} but its value differs per batch element: give it a batch axis, '
-            'e.g. state_out_axes={0: <its filter>}, or make it independent of the batch'
+            f'e.g. state_out_axes={{0: {types_code([var])}}}, or make it independent of the batch'
           )
 
 
