@@ -184,6 +184,11 @@ def _pure_call(fun, grad_states, argnums, has_aux, args, kwargs, name='grad'):
       new_args[k] = x
     dyn_call = CallArgs.split(tuple(new_args), kwargs)
     step = stateful.step(states, dyn_call.dyn, dyn_call)
+    if step.split_out(disc)[0].new_nodes():
+      raise ValueError(
+        f'{name}: the function returns a Module or Variable it creates; create it before the {name} call '
+        'and only update it inside'
+      )
     out = step.out
     if has_aux:
       if not (isinstance(out, tuple) and len(out) == 2):

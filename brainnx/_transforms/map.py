@@ -18,7 +18,7 @@ from flax import nnx
 from brainnx._engine.discovery import discover
 from brainnx._engine.eager import run
 from brainnx._engine.filters import stacks_handled_by
-from brainnx._transforms.loops import _Body, _check_callable, _step_example, for_loop, leading_length, scan
+from brainnx._transforms.loops import _Body, _check_callable, _for_body, _scan_impl, _step_example, leading_length, scan
 from brainnx._transforms.vmap import vmap
 
 __all__ = ['map']
@@ -74,7 +74,7 @@ def _map_impl(f, *args):
   n = leading_length(xs, None, 'map')
   if batch_size is None:
     with stacks_handled_by(f):  # map slices its inputs, never Variables: a stack read whole is meant
-      return for_loop(f, *xs)
+      return _scan_impl(_for_body(f), None, None, tuple(xs), None, False, 1, None, None, 'map')[1]
   example = (None, _step_example(xs))
   body = _Body(lambda c, x: (c, f(*x)), example, 'map', discover(f, example, {}))
   written = [i for i in body.written if not isinstance(body.disc.variables[i], nnx.RngState)]
