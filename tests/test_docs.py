@@ -131,38 +131,29 @@ def _python_blocks(text: str) -> list[str]:
   return re.findall(r'```python\n(.*?)```', text, flags=re.S)
 
 
-def _prelude() -> dict:
-  import jax
-  import jax.numpy as jnp
-  import optax
-  from flax import nnx
-
-  return {'jax': jax, 'jnp': jnp, 'nnx': nnx, 'optax': optax, 'bnx': bnx}
-
-
-def test_reference_examples_run():
-  namespace = _prelude()
+def test_reference_examples_run_alone():
   blocks = _python_blocks(API)
   assert len(blocks) >= 10
   for block in blocks:
-    exec(block, namespace)
+    exec(block, {})  # each one alone: its own imports and Variables
 
 
 def test_getting_started_code_runs(capsys):
   namespace = {}
   for block in _python_blocks((DOCS / 'getting-started.md').read_text()):
-    exec(block, namespace)
+    alone = {}
+    exec(block, alone)  # each block alone: its own imports
+    namespace.update(alone)
   assert int(namespace['optimizer'].step[...]) == 3 and int(namespace['counter'][...]) == 2
   assert capsys.readouterr().out.split()[-2:] == ['4', '1']
 
 
 def test_comparison_blocks_run():
-  from test_readme import prelude
-
-  blocks = _python_blocks((DOCS / 'comparison.md').read_text())
-  assert len(blocks) == 2
+  setup, *blocks = _python_blocks((DOCS / 'comparison.md').read_text())
+  assert 'class MLP' in setup and len(blocks) == 2
   for block in blocks:
-    namespace = prelude()
+    namespace = {}
+    exec(setup, namespace)
     exec(block, namespace)
     assert namespace['loss'].shape == (8,) and len(set(map(float, namespace['loss']))) == 8
 

@@ -12,23 +12,24 @@ README = pathlib.Path(__file__).resolve().parents[1] / 'README.md'
 BLOCKS = re.findall(r'```python\n(.*?)```', README.read_text(), flags=re.S)
 
 
-class MLP(nnx.Module):
-  def __init__(self, rngs):
-    self.l1 = nnx.Linear(1, 32, rngs=rngs)
-    self.drop = nnx.Dropout(0.1)
-    self.l2 = nnx.Linear(32, 1, rngs=rngs)
-
-  def __call__(self, x, rngs):
-    return self.l2(self.drop(jax.nn.relu(self.l1(x)), rngs=rngs))
+def setup_block() -> str:
+  """The README's setup that both side-by-side columns start from."""
+  (block,) = [b for b in BLOCKS if b.lstrip().startswith('import') and 'class MLP' in b]
+  return block
 
 
-def prelude():
-  import brainnx as bnx
+def prelude() -> dict:
+  """A namespace after the setup block (the comparison page's blocks start from it too)."""
+  namespace = {}
+  exec(setup_block(), namespace)
+  return namespace
 
-  return {
-    'jax': jax, 'jnp': jnp, 'nnx': nnx, 'optax': optax, 'bnx': bnx, 'MLP': MLP,
-    'tx': optax.adam(1e-3), 'x': jnp.linspace(-1, 1, 16)[:, None], 'y': jnp.zeros((16, 1)),
-  }
+
+def test_every_block_but_the_columns_runs_alone():
+  for block in BLOCKS:
+    if 'state_shardings' in block or block.lstrip().startswith('@nnx') or 'MLP(rngs)' in block:
+      continue  # the mesh snippet runs in its own test; the columns after the setup
+    exec(block, {})
 
 
 def test_quick_start_runs():
@@ -39,7 +40,9 @@ def test_quick_start_runs():
 
 def test_side_by_side_columns_run_and_use_per_member_dropout():
   assert len(BLOCKS) >= 3
-  for block in BLOCKS[1:3]:
+  columns = [b for b in BLOCKS if 'def train_step' in b and 'MLP(rngs)' in b]
+  assert len(columns) == 2
+  for block in columns:
     namespace = prelude()
     exec(block, namespace)
     loss = namespace['train_step'](namespace['model'], namespace['opt'], *(
@@ -50,20 +53,10 @@ def test_side_by_side_columns_run_and_use_per_member_dropout():
 
 def test_mesh_snippet_runs_and_splits_the_members():
   assert jax.device_count() >= 4, 'needs the 4 CPU devices that tests/conftest.py forces'
-  import brainnx as bnx
-
   (block,) = [b for b in BLOCKS if 'state_shardings' in b]
-  rngs = nnx.Rngs(0)
-  ensemble = bnx.vmap(lambda: nnx.Linear(2, 2, rngs=rngs), axis_size=8)()
-  optimizers = bnx.vmap(lambda m: nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param))(ensemble)
-
-  def member_step(model, opt, x):
-    loss, grads = bnx.value_and_grad(lambda m: (m(x) ** 2).mean(), argnums=0)(model)
-    opt.update(model, grads)
-    return loss
-
-  namespace = dict(prelude(), member_step=member_step, ensemble=ensemble, optimizers=optimizers, x=jnp.ones((4, 2)))
-  exec(block, namespace)
+  namespace = {}
+  exec(block, namespace)  # alone: it builds its own ensemble
+  ensemble, optimizers = namespace['ensemble'], namespace['optimizers']
   kernel = ensemble.kernel.get_value()
   assert {s.data.shape[0] for s in kernel.addressable_shards} == {2}
   assert list(jax.device_get(optimizers.step.get_value())) == [1] * 8
