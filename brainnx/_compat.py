@@ -352,3 +352,37 @@ def with_debug_names(debug_info, arg_names: tuple, result_paths: tuple):
 # -- filters -------------------------------------------------------------------
 
 to_predicate = _filterlib.to_predicate
+
+
+# -- a Ctrl-C inside a host callback ------------------------------------------
+# On CPU a host callback (a ProgressBar's, a jax.debug.print) runs in the thread
+# that called the compiled program, so that is where Python delivers a Ctrl-C.
+# JAX logs the KeyboardInterrupt as a failed callback and the program ends with
+# a JaxRuntimeError whose text carries the callback's traceback.
+
+_CALLBACK_LOGGERS = ('jax._src.callback', 'jax._src.debugging')
+
+
+def _not_an_interrupt(record) -> bool:
+  exc = record.exc_info
+  return not (exc and exc[0] is not None and issubclass(exc[0], KeyboardInterrupt))
+
+
+def quiet_interrupted_callbacks() -> None:
+  """Stop JAX logging a Ctrl-C that lands in a host callback as a callback failure."""
+  import logging
+
+  for name in _CALLBACK_LOGGERS:
+    logger = logging.getLogger(name)
+    if _not_an_interrupt not in logger.filters:
+      logger.addFilter(_not_an_interrupt)
+
+
+def is_interrupted_callback(error: BaseException) -> bool:
+  """Whether ``error`` is the runtime error of a program whose host callback got a Ctrl-C."""
+  import jax
+
+  if not isinstance(error, jax.errors.JaxRuntimeError):
+    return False
+  text = str(error).rstrip()
+  return text.endswith('KeyboardInterrupt') or text.endswith('KeyboardInterrupt:')

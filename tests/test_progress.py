@@ -143,3 +143,37 @@ def test_progress_bar_keywords_and_sizes_are_checked_early():
   with pytest.raises(ValueError, match=r'count=100 is larger than the loop \(4 steps\)'):
     bnx.for_loop(lambda x: x, jnp.ones(4), pbar=bnx.ProgressBar(count=100))
 
+
+
+def test_ctrl_c_while_the_bar_draws_is_a_keyboard_interrupt(monkeypatch, caplog):
+  """A Ctrl-C landing in tqdm (the bar's host callback) stops the loop, leaves the Variable as it
+  was and comes out of the brainnx call as ``KeyboardInterrupt``, with no callback failure logged."""
+  import tqdm
+
+  total = nnx.Variable(jnp.zeros(()))
+
+  def add(x):
+    total[...] = total[...] + x
+    return x
+
+  pbar, _ = bar(freq=1)
+  run = bnx.jit(lambda xs: bnx.for_loop(add, xs, pbar=pbar))
+  xs = jnp.arange(1.0, 6.0)
+  run(xs)
+  np.testing.assert_allclose(total[...], xs.sum())  # oracle: the plain sum
+  real_update = tqdm.tqdm.update
+
+  def update_then_ctrl_c(self, n=1):
+    if self.n >= 2:
+      raise KeyboardInterrupt  # where Python delivers a real Ctrl-C: inside the callback
+    return real_update(self, n)
+
+  monkeypatch.setattr(tqdm.tqdm, 'update', update_then_ctrl_c)
+  caplog.clear()
+  with pytest.raises(KeyboardInterrupt):
+    run(xs)
+  assert not [r for r in caplog.records if r.name.startswith('jax')], caplog.text
+  np.testing.assert_allclose(total[...], xs.sum())  # the stopped call wrote nothing
+  monkeypatch.setattr(tqdm.tqdm, 'update', real_update)
+  run(xs)
+  np.testing.assert_allclose(total[...], 2 * xs.sum())

@@ -220,7 +220,11 @@ def _warm_call(plan: _Plan):
       if changes[0] or changes[1] != begun:  # another thread's trace or write-back: read under the lock
         values = read(variables)
       current.plan = me
-      result = compiled(values, *args)
+      try:
+        result = compiled(values, *args)
+      except jax.errors.JaxRuntimeError as e:
+        _raise_interrupt(e)
+        raise
       kind = type(result)
       if kind is _Written:
         write(plan, result.written)
@@ -236,9 +240,23 @@ def _warm_call(plan: _Plan):
     if dyn is None:
       return _MISS
     current.plan = me
-    return _complete(plan, compiled(*plan.state(), *dyn))
+    try:
+      result = compiled(*plan.state(), *dyn)
+    except jax.errors.JaxRuntimeError as e:
+      _raise_interrupt(e)
+      raise
+    return _complete(plan, result)
 
   return warm_general
+
+
+_compat.quiet_interrupted_callbacks()
+
+
+def _raise_interrupt(error: BaseException) -> None:
+  """A Ctrl-C that stopped the program inside a host callback is raised as what it is."""
+  if _compat.is_interrupted_callback(error):
+    raise KeyboardInterrupt from None
 
 
 def _cold(args, kwargs):
@@ -286,8 +304,9 @@ class JittedFunction:
       with _compat.created_variables(log=False):  # orphans of the trace go back to this level
         _CURRENT.plan = plan.me
         result = plan.compiled(*plan.state(), *dyn)
-    except BaseException:
+    except BaseException as e:
       disc.restore(contents)  # a failed compile or run keeps no attribute the trace added
+      _raise_interrupt(e)
       raise
     if disc.signature != signature:  # the trace rebound a captured counter (see Discovery.refresh_captured)
       with self._lock:
