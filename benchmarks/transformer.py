@@ -274,7 +274,9 @@ def write(args, cfg, first, memory, samples) -> None:
   text = '\n'.join(lines) + '\n'
   print(text)
   Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-  Path(args.out).write_text(text)
+  from _results import stamp
+
+  Path(args.out).write_text(stamp('transformer.py', 'median of interleaved rounds') + '\n' + text)
 
 
 if __name__ == '__main__':
