@@ -116,8 +116,7 @@ def brainnx_variant(cfg, mesh, data, donate) -> Variant:
   def stages():
     with jax.set_mesh(mesh):
       t0 = time.perf_counter()
-      plan, dyn, _ = step._plan_for((x, y), {})  # discovery, layout and the stateful trace
-      traced = plan.compiled.trace(plan.carrier, *plan.state(), *dyn)
+      traced = step.trace(x, y)  # discovery, layout and the stateful trace
       t1 = time.perf_counter()
       lowered = traced.lower()
       t2 = time.perf_counter()

@@ -575,3 +575,21 @@ def test_lower_compile_call_with_user_args():
   np.testing.assert_allclose(compiled(X + 1), (X + 1) @ m.kernel[...] + m.bias[...], rtol=1e-6)
   assert int(concrete(counter)) == 2
 
+
+
+def test_trace_lower_compile_stages_as_jax_jit():
+  """f.trace(x).lower().compile() is jax.jit's staging on the pure step, and the compiled call
+  writes the Variable back."""
+  count = nnx.Variable(jnp.zeros(()))
+
+  def f(x):
+    count[...] += 1.0
+    return (x * 2.0).sum()
+
+  traced = bnx.jit(f).trace(X)
+  pure = jax.jit(lambda c, x: (c + 1.0, (x * 2.0).sum())).trace(jnp.zeros(()), X)
+  assert sorted(str(e.primitive) for e in traced.jaxpr.jaxpr.eqns if 'pjit' not in str(e.primitive)) == \
+    sorted(str(e.primitive) for e in pure.jaxpr.jaxpr.eqns)
+  compiled = traced.lower().compile()
+  np.testing.assert_allclose(compiled(X), (X * 2.0).sum())
+  assert count[...] == 1.0

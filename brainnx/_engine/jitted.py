@@ -427,12 +427,17 @@ class JittedFunction:
       'traces': len(self.stateful_fun._cache),
     }
 
+  def trace(self, *args, **kwargs) -> 'Traced':
+    """The traced program for these arguments (``jax.jit(...).trace``); ``.lower()`` gives
+    :meth:`lower`'s result, ``.jaxpr`` the program."""
+    plan, dyn, _ = self._plan_for(args, kwargs)
+    _CURRENT.plan = plan.me
+    return Traced(self, plan.compiled.trace(*plan.state(), *dyn))
+
   def lower(self, *args, **kwargs) -> 'Lowered':
     """The lowered program for these arguments; ``.compile()`` gives a callable that takes
     the same arguments as the function and writes Variables back."""
-    plan, dyn, _ = self._plan_for(args, kwargs)
-    _CURRENT.plan = plan.me
-    return Lowered(self, plan.compiled.lower(*plan.state(), *dyn))
+    return self.trace(*args, **kwargs).lower()
 
   def clear_cache(self) -> None:
     """Forget plans, compiled programs and traces (the next call retraces)."""
@@ -461,6 +466,19 @@ def _evictor(jitted: JittedFunction, key):
       j._drop_plan(key)
 
   return drop
+
+
+class Traced:
+  """``jax.stages.Traced`` of a brainnx call; ``lower()`` keeps brainnx's calling convention."""
+
+  def __init__(self, jitted: JittedFunction, traced):
+    self._jitted, self._traced = jitted, traced
+
+  def lower(self, *args, **kwargs) -> 'Lowered':
+    return Lowered(self._jitted, self._traced.lower(*args, **kwargs))
+
+  def __getattr__(self, name):
+    return getattr(self._traced, name)
 
 
 class Lowered:
