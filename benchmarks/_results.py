@@ -18,7 +18,8 @@ def commit() -> str:
   root = Path(__file__).resolve().parents[1]
   run = lambda *a: subprocess.run(['git', *a], cwd=root, capture_output=True, text=True).stdout.strip()  # noqa: E731
   head = run('rev-parse', '--short=12', 'HEAD') or 'unknown'
-  dirty = run('status', '--porcelain', '--untracked-files=no', '--', 'brainnx', 'benchmarks')
+  # the code that measured: the tables a run rewrites do not make it uncommitted
+  dirty = run('status', '--porcelain', '--untracked-files=no', '--', 'brainnx', 'benchmarks', ':!benchmarks/results')
   return head + ('+uncommitted' if dirty else '')
 
 
@@ -38,3 +39,59 @@ def write(name: str, script: str, body: str, statistic: str = STATISTIC, out: Pa
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(stamp(script, statistic) + '\n' + body.rstrip() + '\n')
   return path
+
+
+_UNITS = ('ms', 'µs', 'us', 'MB', 'MiB', 'GB', 's')
+_PLAIN = r'^-?\d+(?:\.\d+)?$'
+
+
+def _tables(text: str) -> list[tuple[str, list[list[str]]]]:
+  """The markdown tables of ``text`` in order, each with the nearest heading above it."""
+  found, heading, rows = [], '', []
+  for line in text.splitlines() + ['']:
+    if line.startswith('|'):
+      rows.append([c.strip() for c in line.strip().strip('|').split('|')])
+      continue
+    if rows:
+      found.append((heading, rows))
+      rows = []
+    if line.startswith('#'):
+      heading = line.lstrip('#').strip()
+  return found
+
+
+def _with_unit(header: str) -> str:
+  words = header.split()
+  units = [w for w in words if w in _UNITS]
+  if not units:
+    return header
+  return ' '.join(w for w in words if w != units[0]) + f' ({units[0]})'
+
+
+def ranges(runs: list[str]) -> str:
+  """Per table the runs printed alike: each number as the min–max of its value over the runs.
+
+  >>> one = '# t\\n| variant | step ms |\\n|---|---:|\\n| a | 2.0 |'
+  >>> print(ranges([one, one.replace('2.0', '3.5')]).splitlines()[-1])
+  | a | 2.0–3.5 |
+  """
+  import re
+
+  per_run = [_tables(text) for text in runs]
+  out = []
+  for k, (heading, rows) in enumerate(per_run[0]):
+    same = [tables[k][1] for tables in per_run if len(tables) > k and len(tables[k][1]) == len(rows)]
+    lines = [f'### min–max over {len(same)} runs: {heading}', '',
+             '| ' + ' | '.join(map(_with_unit, rows[0])) + ' |', '|' + '---|' * len(rows[0])]
+    for i, row in enumerate(rows[2:], start=2):
+      cells = []
+      for j, cell in enumerate(row):
+        values = [t[i][j] for t in same if j < len(t[i])]
+        if j == 0 or not all(re.match(_PLAIN, v) for v in values):
+          cells.append(cell if j == 0 else '')
+          continue
+        lo, hi = min(values, key=float), max(values, key=float)
+        cells.append(lo if lo == hi else f'{lo}–{hi}')
+      lines.append('| ' + ' | '.join(cells) + ' |')
+    out.append('\n'.join(lines))
+  return '\n\n'.join(out)

@@ -48,12 +48,13 @@ def tables() -> dict[Path, str]:
 
 
 def found_in(figure: str, table: str) -> bool:
-  """The figure as written, or its number in a table whose header names its unit (``(MB)``)."""
+  """The figure as written, or its number in a table whose header names its unit (``(MB)``, or a
+  column headed ``µs (median)``)."""
   figure = normal(figure)
   if figure in table:
     return True
   number, unit = re.fullmatch(rf'({_NUMBER}(?:–{_NUMBER})?)(.*)', figure).groups()
-  return f'({unit})' in table and re.search(rf'(?<![\d.]){re.escape(number)}(?![\d])', table) is not None
+  return (f'({unit})' in table or f'|{unit}(' in table) and re.search(rf'(?<![\d.]){re.escape(number)}(?![\d])', table) is not None
 
 
 def missing(readme: str | None = None) -> list[str]:

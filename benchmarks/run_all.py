@@ -7,7 +7,7 @@
 Each run of each script is a fresh process. Scripts that write their own stamped table
 (donation, mapping, overhead, checkpoint_memory; transformer writes one run's, rewritten with every run's here; scaling and sharded_ensemble write theirs unstamped so far) do so; for those that print tables, the printed tables of every
 run are written to ``results/<script>.md`` under one stamp naming that script, run by run, so
-a README range is the min-max of the per-run medians. Then ``check_readme.py`` lists any README
+a README range is the min-max of the per-run medians, tabulated at the end of the file. Then ``check_readme.py`` lists any README
 figure that no stamped table holds.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _results import write  # noqa: E402
+from _results import ranges, write  # noqa: E402
 
 # script -> (arguments, arguments for --quick, writes its own table)
 SCRIPTS = {
@@ -55,6 +55,8 @@ def main(argv=None) -> int:
       outputs.append(done.stdout)
     if not writes:
       body = '\n\n'.join(f'### run {k + 1} of {len(outputs)}\n\n{out.strip()}' for k, out in enumerate(outputs))
+      if len(outputs) > 1:
+        body += '\n\n' + ranges(outputs)
       print('wrote', write(f'{name}.md', f'{name}.py', body))
   return subprocess.run([sys.executable, str(HERE / 'check_readme.py')]).returncode
 
