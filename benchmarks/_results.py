@@ -42,7 +42,7 @@ def write(name: str, script: str, body: str, statistic: str = STATISTIC, out: Pa
 
 
 _UNITS = ('ms', 'µs', 'us', 'MB', 'MiB', 'GB', 's')
-_PLAIN = r'^-?\d+(?:\.\d+)?$'
+_NUMBER = r'^(-?\d+(?:\.\d+)?)(x|×|%)?$'  # a value, maybe a ratio or a share
 
 
 def _tables(text: str) -> list[tuple[str, list[list[str]]]]:
@@ -65,15 +65,20 @@ def _with_unit(header: str) -> str:
   units = [w for w in words if w in _UNITS]
   if not units:
     return header
-  return ' '.join(w for w in words if w != units[0]) + f' ({units[0]})'
+  rest = ' '.join(w.strip('()') for w in words if w != units[0])
+  return f'{rest} ({units[0]})'
 
 
 def ranges(runs: list[str]) -> str:
   """Per table the runs printed alike: each number as the min–max of its value over the runs.
 
-  >>> one = '# t\\n| variant | step ms |\\n|---|---:|\\n| a | 2.0 |'
-  >>> print(ranges([one, one.replace('2.0', '3.5')]).splitlines()[-1])
-  | a | 2.0–3.5 |
+  >>> one = '# t\\n| variant | ms (median) | ratio |\\n|---|---:|---:|\\n| a | 2.0 | 1.10x |'
+  >>> print(ranges([one, one.replace('2.0', '3.5').replace('1.10x', '1.05x')]))
+  ### min–max over 2 runs: t
+  <BLANKLINE>
+  | variant | median (ms) | ratio |
+  |---|---|---|
+  | a | 2.0–3.5 | 1.05–1.10x |
   """
   import re
 
@@ -86,12 +91,14 @@ def ranges(runs: list[str]) -> str:
     for i, row in enumerate(rows[2:], start=2):
       cells = []
       for j, cell in enumerate(row):
-        values = [t[i][j] for t in same if j < len(t[i])]
-        if j == 0 or not all(re.match(_PLAIN, v) for v in values):
-          cells.append(cell if j == 0 else '')
+        texts = [t[i][j] for t in same if j < len(t[i])]
+        found = [re.match(_NUMBER, v) for v in texts]
+        if j == 0 or not all(found) or len({m.group(2) for m in found}) > 1:
+          cells.append(cell if j == 0 or len(set(texts)) == 1 else '')  # text the runs agree on stays
           continue
+        values, suffix = [m.group(1) for m in found], found[0].group(2) or ''
         lo, hi = min(values, key=float), max(values, key=float)
-        cells.append(lo if lo == hi else f'{lo}–{hi}')
+        cells.append(f'{lo}{suffix}' if lo == hi else f'{lo}–{hi}{suffix}')
       lines.append('| ' + ' | '.join(cells) + ' |')
     out.append('\n'.join(lines))
   return '\n\n'.join(out)
