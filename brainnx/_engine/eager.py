@@ -1,4 +1,4 @@
-"""The one eager entry point: a transform called outside any trace runs compiled.
+"""The one eager entry point: a transform called outside any trace runs as a cached program.
 
 Inside a trace a transform runs its body directly. Outside, the call goes
 through a ``brainnx.jit`` of the body, cached per owner (the transform
@@ -57,8 +57,9 @@ def run(
   (unhashable parts, such as Variable instances given as filters, by
   identity). ``statics`` are the user's static arguments, kept static by the
   compiled program as by the traced one. Discovery starts from ``discover_from`` (default: the owners).
-  The first eager call compiles, so that the user's function runs once per
-  abstract signature, as under ``jax.jit``.
+  The user's function runs once per abstract signature, as under ``jax.jit``:
+  the first call traces it and evaluates the trace op by op (as JAX runs an
+  untransformed function), the second compiles that same trace.
   """
   kwargs = kwargs or {}
   if not eager():
@@ -112,6 +113,7 @@ def _compile(body, owners, config, discover_from, options) -> JittedFunction:
     return body(*(r() for r in refs), *args, *config, **kwargs)
 
   source = discover_from if discover_from is not None else _WeakOwners(refs)
+  options = dataclasses.replace(options, compile_on_reuse=True)  # a one-off call never waits for XLA
   return JittedFunction(source, options, traced=traced, name=getattr(body, '__name__', None))
 
 

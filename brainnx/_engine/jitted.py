@@ -74,6 +74,9 @@ class JitOptions:
   in_shardings: Any = NOT_GIVEN  # of the user's positional arguments, as in jax.jit
   out_shardings: Any = NOT_GIVEN  # of the user's output, as in jax.jit
   state_shardings: Rules = Rules()
+  # the eager entry's programs: a plan's first call evaluates its trace op by op, as JAX runs an
+  # untransformed function, and the second compiles (a function called once never waits for XLA)
+  compile_on_reuse: bool = False
 
   @property
   def sharded(self) -> bool:
@@ -121,6 +124,7 @@ class _Plan:
     self.call = dataclasses.replace(call, refs=())  # held weakly below
     self.ref_refs = tuple(weak_or_strong(x, on_drop) for x in call.refs)
     self.me = weakref.ref(self)
+    self.ran = False  # whether a call has run this plan (see JitOptions.compile_on_reuse)
     self.variables = disc.variables
     self.warm = _warm_call(self)
 
@@ -300,14 +304,19 @@ class JittedFunction:
   def _cold_call(self, args, kwargs):
     plan, dyn, disc = self._plan_for(args, kwargs)
     contents, signature = disc.snapshot(), disc.signature
+    once = self._options.compile_on_reuse and not plan.ran and not plan.donated and not self._options.sharded
     try:
       with _compat.created_variables(log=False):  # orphans of the trace go back to this level
         _CURRENT.plan = plan.me
-        result = plan.compiled(*plan.state(), *dyn)
+        if once:
+          result = _body(self.stateful_fun, 1, self._options.state_shardings, *plan.state(), *dyn)
+        else:
+          result = plan.compiled(*plan.state(), *dyn)
     except BaseException as e:
       disc.restore(contents)  # a failed compile or run keeps no attribute the trace added
       _raise_interrupt(e)
       raise
+    plan.ran = True
     if disc.signature != signature:  # the trace rebound a captured counter (see Discovery.refresh_captured)
       with self._lock:
         self._compiled.set((disc.signature,) + plan.compiled_key[1:], plan.compiled)
