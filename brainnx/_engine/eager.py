@@ -49,6 +49,7 @@ def run(
   discover_from: Any = None,
   options: JitOptions = JitOptions(),
   statics: StaticArgs = StaticArgs(),
+  compile_first: bool = False,
 ):
   """``body(*owners, *args, *config, **kwargs)``, compiled when called eagerly.
 
@@ -59,7 +60,9 @@ def run(
   compiled program as by the traced one. Discovery starts from ``discover_from`` (default: the owners).
   The user's function runs once per abstract signature, as under ``jax.jit``:
   the first call traces it and evaluates the trace op by op (as JAX runs an
-  untransformed function), the second compiles that same trace.
+  untransformed function), the second compiles that same trace;
+  ``compile_first`` compiles on the first call (``shard_map``, whose
+  primitive JAX evaluates eagerly only without sharded closed-over inputs).
   """
   kwargs = kwargs or {}
   if not eager():
@@ -72,6 +75,8 @@ def run(
   if jitted is None:
     if statics != options.statics:
       options = dataclasses.replace(options, statics=statics)
+    if not compile_first:
+      options = dataclasses.replace(options, compile_on_reuse=True)  # a one-off call never waits for XLA
     jitted = _compile(body, owners, config, discover_from, options)
     _PROGRAMS.set(live, key, jitted)
   return jitted(*args, **kwargs)
@@ -113,7 +118,6 @@ def _compile(body, owners, config, discover_from, options) -> JittedFunction:
     return body(*(r() for r in refs), *args, *config, **kwargs)
 
   source = discover_from if discover_from is not None else _WeakOwners(refs)
-  options = dataclasses.replace(options, compile_on_reuse=True)  # a one-off call never waits for XLA
   return JittedFunction(source, options, traced=traced, name=getattr(body, '__name__', None))
 
 

@@ -102,7 +102,7 @@ def shard_map(
   def sharded(*args, **kwargs):
     if eager():
       _lay_out_read(f, args, kwargs, mesh, config[3])
-    return run(_shard_map_impl, (f,), config, args, kwargs)
+    return run(_shard_map_impl, (f,), config, args, kwargs, compile_first=True)
 
   return sharded
 
