@@ -4,6 +4,7 @@ versions and which statistic produced it (read by benchmarks/check_readme.py).""
 from __future__ import annotations
 
 import datetime
+import re
 import subprocess
 from pathlib import Path
 
@@ -80,8 +81,6 @@ def ranges(runs: list[str]) -> str:
   |---|---|---|
   | a | 2.0–3.5 | 1.05–1.10x |
   """
-  import re
-
   per_run = [_tables(text) for text in runs]
   out = []
   for k, (heading, rows) in enumerate(per_run[0]):

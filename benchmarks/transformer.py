@@ -44,6 +44,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
+import _results as results  # noqa: E402
 from _timing import block  # noqa: E402
 from brainnx.examples import transformer as tf  # noqa: E402
 
@@ -278,10 +279,8 @@ def write(args, cfg, first, memory, samples) -> None:
     )
   text = '\n'.join(lines) + '\n'
   print(text)
-  Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-  from _results import stamp
-
-  Path(args.out).write_text(stamp('transformer.py', 'median of interleaved rounds') + '\n' + text)
+  out = Path(args.out)
+  results.write(out.name, 'transformer.py', text, out=out.parent)
 
 
 if __name__ == '__main__':

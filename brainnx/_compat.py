@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import operator
 import threading
 from typing import Any, Callable
 
+import jax
 from flax.nnx import filterlib as _filterlib
 from flax.nnx import graphlib as _graphlib
 from flax.nnx import pytreelib as _pytreelib
@@ -370,8 +372,6 @@ def _not_an_interrupt(record) -> bool:
 
 def quiet_interrupted_callbacks() -> None:
   """Stop JAX logging a Ctrl-C that lands in a host callback as a callback failure."""
-  import logging
-
   for name in _CALLBACK_LOGGERS:
     logger = logging.getLogger(name)
     if _not_an_interrupt not in logger.filters:
@@ -380,9 +380,6 @@ def quiet_interrupted_callbacks() -> None:
 
 def is_interrupted_callback(error: BaseException) -> bool:
   """Whether ``error`` is the runtime error of a program whose host callback got a Ctrl-C."""
-  import jax
-
   if not isinstance(error, jax.errors.JaxRuntimeError):
     return False
-  text = str(error).rstrip()
-  return text.endswith('KeyboardInterrupt') or text.endswith('KeyboardInterrupt:')
+  return str(error).rstrip().rstrip(':').endswith('KeyboardInterrupt')  # the callback's traceback ends so

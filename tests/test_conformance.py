@@ -363,9 +363,6 @@ def test_cold_error_rolls_back_everything(name, nested):
 
 
 FAULT = {'raise': None}
-# Documented exception: jax.pmap reports a failed host callback when its result is read, after
-# brainnx has returned, so a Ctrl-C there stays JAX's runtime error (docs/api.md, ProgressBar).
-INTERRUPT_READ_LATE = {'pmap'}
 
 
 def _fault(x):
@@ -393,8 +390,6 @@ def test_warm_run_time_error_rolls_back(name, fault, caplog):
   FAULT['raise'] = Boom('at run time') if fault == 'error' else KeyboardInterrupt()
   if fault == 'error':
     expected = pytest.raises(Exception, match='at run time')
-  elif name in INTERRUPT_READ_LATE:
-    expected = pytest.raises(jax.errors.JaxRuntimeError, match='KeyboardInterrupt')
   else:
     expected = pytest.raises(KeyboardInterrupt, match='^$')
   caplog.clear()

@@ -73,10 +73,8 @@ def run(
   key = (body, tuple(o is None for o in owners), hashable(config), statics)
   jitted = _PROGRAMS.get(live, key)
   if jitted is None:
-    if statics != options.statics:
-      options = dataclasses.replace(options, statics=statics)
-    if not compile_first:
-      options = dataclasses.replace(options, compile_on_reuse=True)  # a one-off call never waits for XLA
+    # a one-off call never waits for XLA to compile the whole program
+    options = dataclasses.replace(options, statics=statics, compile_on_reuse=not compile_first)
     jitted = _compile(body, owners, config, discover_from, options)
     _PROGRAMS.set(live, key, jitted)
   return jitted(*args, **kwargs)

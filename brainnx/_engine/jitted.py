@@ -51,6 +51,7 @@ __all__ = ['JittedFunction', 'JitOptions', 'NOT_GIVEN']
 
 _FAST_DYN = (_compat.ArrayImpl, int, float, bool, complex)
 _MISS = object()
+_compat.quiet_interrupted_callbacks()  # a Ctrl-C in a host callback is raised, not logged (see __call__)
 
 
 class _NotGiven:
@@ -224,11 +225,7 @@ def _warm_call(plan: _Plan):
       if changes[0] or changes[1] != begun:  # another thread's trace or write-back: read under the lock
         values = read(variables)
       current.plan = me
-      try:
-        result = compiled(values, *args)
-      except jax.errors.JaxRuntimeError as e:
-        _raise_interrupt(e)
-        raise
+      result = compiled(values, *args)
       kind = type(result)
       if kind is _Written:
         write(plan, result.written)
@@ -244,17 +241,9 @@ def _warm_call(plan: _Plan):
     if dyn is None:
       return _MISS
     current.plan = me
-    try:
-      result = compiled(*plan.state(), *dyn)
-    except jax.errors.JaxRuntimeError as e:
-      _raise_interrupt(e)
-      raise
-    return _complete(plan, result)
+    return _complete(plan, compiled(*plan.state(), *dyn))
 
   return warm_general
-
-
-_compat.quiet_interrupted_callbacks()
 
 
 def _raise_interrupt(error: BaseException) -> None:
@@ -296,25 +285,26 @@ class JittedFunction:
   # -- calling ----------------------------------------------------------------
 
   def __call__(self, *args, **kwargs):
-    out = self._warm(args, kwargs)
-    if out is not _MISS:
-      return out
-    return self._cold_call(args, kwargs)
+    try:
+      out = self._warm(args, kwargs)
+      if out is not _MISS:
+        return out
+      return self._cold_call(args, kwargs)
+    except jax.errors.JaxRuntimeError as e:  # costs nothing until raised
+      _raise_interrupt(e)
+      raise
 
   def _cold_call(self, args, kwargs):
     plan, dyn, disc = self._plan_for(args, kwargs)
     contents, signature = disc.snapshot(), disc.signature
-    once = self._options.compile_on_reuse and not plan.ran and not plan.donated and not self._options.sharded
+    once = self._options.compile_on_reuse and not plan.ran and not self._options.sharded
     try:
       with _compat.created_variables(log=False):  # orphans of the trace go back to this level
         _CURRENT.plan = plan.me
-        if once:
-          result = _body(self.stateful_fun, 1, self._options.state_shardings, *plan.state(), *dyn)
-        else:
-          result = plan.compiled(*plan.state(), *dyn)
-    except BaseException as e:
+        run = plan.compiled.__wrapped__ if once else plan.compiled  # op by op: what jax.jit would compile
+        result = run(*plan.state(), *dyn)
+    except BaseException:
       disc.restore(contents)  # a failed compile or run keeps no attribute the trace added
-      _raise_interrupt(e)
       raise
     plan.ran = True
     if disc.signature != signature:  # the trace rebound a captured counter (see Discovery.refresh_captured)
@@ -477,45 +467,42 @@ def _evictor(jitted: JittedFunction, key):
   return drop
 
 
-class Traced:
+class _Stage:
+  """One of ``jax.jit``'s stages of a brainnx call; its other attributes are JAX's."""
+
+  def __init__(self, jitted: JittedFunction, stage):
+    self._jitted, self._stage = jitted, stage
+
+  def __getattr__(self, name):
+    return getattr(self._stage, name)
+
+
+class Traced(_Stage):
   """``jax.stages.Traced`` of a brainnx call; ``lower()`` keeps brainnx's calling convention."""
 
-  def __init__(self, jitted: JittedFunction, traced):
-    self._jitted, self._traced = jitted, traced
-
   def lower(self, *args, **kwargs) -> 'Lowered':
-    return Lowered(self._jitted, self._traced.lower(*args, **kwargs))
-
-  def __getattr__(self, name):
-    return getattr(self._traced, name)
+    return Lowered(self._jitted, self._stage.lower(*args, **kwargs))
 
 
-class Lowered:
+class Lowered(_Stage):
   """``jax.stages.Lowered`` of a brainnx call; ``compile()`` keeps brainnx's calling convention."""
 
-  def __init__(self, jitted: JittedFunction, lowered):
-    self._jitted, self._lowered = jitted, lowered
-
   def compile(self, *args, **kwargs) -> 'Compiled':
-    return Compiled(self._jitted, self._lowered.compile(*args, **kwargs))
-
-  def __getattr__(self, name):
-    return getattr(self._lowered, name)
+    return Compiled(self._jitted, self._stage.compile(*args, **kwargs))
 
 
-class Compiled:
+class Compiled(_Stage):
   """A compiled brainnx call: ``compiled(*args, **kwargs)`` reads and writes Variables as the
   jitted function does; ``memory_analysis()``, ``cost_analysis()``, ``as_text()`` are JAX's."""
 
-  def __init__(self, jitted: JittedFunction, compiled):
-    self._jitted, self._compiled = jitted, compiled
-
   def __call__(self, *args, **kwargs):
     plan, dyn, _ = self._jitted._plan_for(args, kwargs)
-    return _complete(plan, self._compiled(*plan.state(), *dyn))  # a Compiled takes no static arguments
-
-  def __getattr__(self, name):
-    return getattr(self._compiled, name)
+    try:
+      result = self._stage(*plan.state(), *dyn)  # a Compiled takes no static arguments
+    except jax.errors.JaxRuntimeError as e:
+      _raise_interrupt(e)
+      raise
+    return _complete(plan, result)
 
 
 def calls_host(jaxpr) -> bool:
