@@ -43,6 +43,9 @@ __all__ = [
   'new_trace_state',
   'pytree_has_int_keys',
   'raw_value',
+  'graph_flatten',
+  'graph_unflatten',
+  'known_ref_map',
   'refuse_nnx_flatten',
   'restore_entries',
   'set_node_trace_state',
@@ -104,6 +107,34 @@ def restore_entries(current: dict, entries: dict, missing) -> None:
         current[key] = value
   finally:
     PYTREE_EDITS[0] += 1
+
+
+# -- flax's graph split and merge with known objects ------------------------------------
+# What a call creates is split against the objects it already knew (so a new node holding a
+# known one records a reference to it, not a copy) and merged per call against that call's
+# objects: flax's own ``ref_index``/``index_ref`` mechanism of ``nnx.split``/``nnx.merge``.
+
+
+def known_ref_map(objects) -> Any:
+  """A flax ``RefMap`` giving ``objects[k]`` the graph index ``k`` (``None`` entries hold a
+  place: their index is used by no object)."""
+  ref_map = _graphlib.RefMap()
+  for k, obj in enumerate(objects):
+    ref_map[object() if obj is None else obj] = k
+  return ref_map
+
+
+def graph_flatten(x, ref_map) -> tuple[Any, list, list]:
+  """``(graphdef, paths, leaves)`` of ``x`` as ``nnx.split`` sees it; objects in ``ref_map``
+  become references; leaves are Variables (or arrays held as attributes)."""
+  graphdef, flat = _graphlib.flatten(x, ref_index=ref_map, with_paths=True, graph=True)
+  return graphdef, list(flat.paths), list(flat.leaves)
+
+
+def graph_unflatten(graphdef, values: list, index_ref) -> Any:
+  """The object ``graphdef`` describes, with fresh Variables holding ``values`` (raw values,
+  in ``graph_flatten``'s leaf order) and references resolved through ``index_ref``."""
+  return _graphlib.unflatten(graphdef, list(values), index_ref=index_ref)
 
 
 # -- edits of flax Pytree attributes ------------------------------------------------

@@ -50,8 +50,9 @@ from brainnx._engine.arguments import CallArgs, StaticArgs
 from brainnx._engine.discovery import Discovery, discover
 from brainnx._engine.outputs import OutSpec
 from brainnx._engine.state import (
-  StepResult, abstract, abstract_states, adopt_new, read_values, set_values, state_step, write_values,
+  StepResult, abstract, abstract_states, finish_call, read_values, set_values, state_step, write_values,
 )
+from brainnx._engine.structure import Attachments
 
 __all__ = ['Record', 'StatefulCall', 'StepInfo', 'check_values', 'settle_creations']
 
@@ -93,15 +94,18 @@ class StepInfo:
 
   written: tuple[int, ...]
   written_defs: tuple  # tree structure of each written value (a write may change it: ``sow``)
-  new_vars: tuple
-  new_nodes: tuple
-  new_defs: tuple
+  attachments: Attachments  # what the call attached, rebuilt per call
   out_spec: OutSpec
+
+  @property
+  def new_vars(self) -> tuple:
+    """Stand-ins of the Variables the call attaches (what filters see)."""
+    return self.attachments.stand_ins
 
   @classmethod
   def of(cls, step: StepResult, spec: OutSpec) -> 'StepInfo':
     shape = step.shape()
-    return cls(shape.written, shape.written_defs, shape.new_vars, shape.new_nodes, shape.new_defs, spec)
+    return cls(shape.written, shape.written_defs, shape.attachments, spec)
 
 
 def _same_writes(a: StepInfo, b: StepInfo) -> bool:
@@ -123,17 +127,14 @@ def check_values(disc: Discovery, values: Sequence) -> None:
       )
 
 
-def settle_creations(log: Sequence, keep: Sequence = ()) -> None:
-  """Variables created during a step that nothing adopts (``keep`` are the ones the call
-  attaches and gives values) leave it without tracers, usable where the outermost brainnx call
-  began: a failed call's creations, or ones kept where brainnx cannot see them, hold their
-  abstract value (``ShapeDtypeStruct``) and accept ``set_value`` afterwards. This runs inside
-  the step's trace, before it ends, so that no tracer outlives it."""
-  keep_ids = {id(v) for v in keep}
+def settle_creations(log: Sequence) -> None:
+  """Variables created during a step leave it without tracers, usable where the outermost
+  brainnx call began (what the call attached or returned is rebuilt afresh, see
+  :mod:`structure`): ones kept where brainnx cannot see them hold their abstract value
+  (``ShapeDtypeStruct``) and accept ``set_value`` afterwards. This runs inside the step's
+  trace, before it ends, so that no tracer outlives it."""
   level = _compat.outer_level()
   for v in log:
-    if id(v) in keep_ids:
-      continue
     value = _compat.raw_value(v)
     if any(isinstance(x, _compat.Tracer) for x in jax.tree.leaves(value)):
       _compat.set_raw_value(v, jax.tree.map(abstract, value))
@@ -145,8 +146,8 @@ class StatefulCall:
 
   ``creates`` says what happens to Variables the function creates and
   attaches to something it can reach: ``'refuse'`` (an error naming the
-  transform), ``'keep'`` (they stay attached; :meth:`write_back` gives them
-  their final values) or ``'detach'`` (a trace only: they are removed again).
+  transform), ``'keep'`` (:meth:`output` builds them for this call's objects
+  and attaches them) or ``'detach'`` (a trace only: nothing is attached).
   """
 
   def __init__(self, fun: Callable, disc: Discovery, call: CallArgs, *, name: str, creates: str = 'refuse',
@@ -155,6 +156,8 @@ class StatefulCall:
     self.values = list(values) if values is not None else None
     self.contents = disc.snapshot()
     self.info = Record(name)
+    self.new_values: list = []
+    self.attached: list = []  # the Variables :meth:`output` attached (one per created leaf)
 
   @classmethod
   def enter(cls, fun: Callable, args: tuple, kwargs: dict, *, name: str, statics: StaticArgs = StaticArgs(),
@@ -173,21 +176,21 @@ class StatefulCall:
     with _compat.created_variables() as log:
       step = None
       try:
-        step = state_step(self.fun, self.disc, call or self.call, state_values, dyn, keep_new=self.creates == 'keep')
-        if step.new_vars and self.creates == 'refuse':
+        step = state_step(self.fun, self.disc, call or self.call, state_values, dyn)
+        if step.attachments and self.creates == 'refuse':
           raise ValueError(
             f'{self.name}: the function creates Variables ({_created(step)}); create them before the '
             f'{self.name} call and only update them inside'
           )
-        self.info.set(StepInfo.of(step, step.split_out(self.disc)[0]), _same_writes)
+        self.info.set(StepInfo.of(step, step.split_out(self.disc, self.name)[0]), _same_writes)
       finally:
-        settle_creations(log, step.new_vars if step is not None and self.creates == 'keep' else ())
+        settle_creations(log)
     return step
 
   def pure(self, state_values: Sequence, dyn: Sequence) -> tuple[list, list, list]:
     """``(written values, created Variables' values, output leaves)``: the function for a JAX primitive."""
     step = self.step(state_values, dyn)
-    return step.written_values(), step.new_values, step.split_out(self.disc)[1]
+    return step.written_values(), step.new_values, step.split_out(self.disc, self.name)[1]
 
   # -- after the primitive ------------------------------------------------------
 
@@ -196,17 +199,22 @@ class StatefulCall:
     return self.info.get().written
 
   def write_back(self, written_values: Sequence, new_values: Sequence = (), indices: Sequence[int] | None = None) -> None:
-    """Write the new values of the written Variables (``indices``, default :attr:`written`) and
-    give created ones theirs; all or nothing."""
+    """Write the new values of the written Variables (``indices``, default :attr:`written`);
+    ``new_values`` are those of the Variables the call attaches (:meth:`output` builds them)."""
     info = self.info.get()
     indices = info.written if indices is None else tuple(indices)
     write_values(self.disc, indices, list(written_values))
-    if info.new_vars:
-      adopt_new(info.new_vars, info.new_nodes, list(new_values))
+    self.new_values = list(new_values)
 
   def output(self, leaves: Sequence) -> Any:
-    """The function's return value rebuilt from its leaves (graph nodes it returned included)."""
-    return self.info.get().out_spec.rebuild(list(leaves), self.disc)
+    """The function's return value rebuilt from its leaves, after what the call attached is
+    built for this call's objects and attached (one merge: sharing between them is kept)."""
+    info = self.info.get()
+    out, self.attached = finish_call(
+      self.disc, info.attachments, self.new_values, info.out_spec, list(leaves), attach=self.creates == 'keep'
+    )
+    self.new_values = []
+    return out
 
   @contextlib.contextmanager
   def rolling_back(self):
@@ -229,5 +237,5 @@ class StatefulCall:
 
 
 def _created(step: StepResult) -> str:
-  kinds = sorted({type(v).__name__ for v in step.new_vars})
+  kinds = sorted({type(v).__name__ for v in step.new_vars} or {'Modules'})
   return ', '.join(kinds[:3]) + (', ...' if len(kinds) > 3 else '')

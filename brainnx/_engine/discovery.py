@@ -43,7 +43,8 @@ from flax import nnx
 from brainnx import _compat
 
 __all__ = [
-  'Discovery', 'Guard', 'describe', 'discover', 'holds_graph_node', 'is_graph_node', 'is_reference',
+  'MISSING', 'Discovery', 'Guard', 'describe', 'discover', 'holds_graph_node', 'is_graph_node', 'is_plain_object',
+  'is_reference',
   'key_name', 'static_key', 'walk_new',
 ]
 
@@ -94,7 +95,7 @@ def _is_plain_type(cls: type) -> bool:
   return '__dict__' in dir(cls) and not issubclass(cls, (nnx.Pytree, nnx.Variable, BaseException))
 
 
-def _is_plain_object(x: Any) -> bool:
+def is_plain_object(x: Any) -> bool:
   """A user object whose attributes (``vars()``) brainnx walks: not a graph node, type or function."""
   return not isinstance(x, _ATOMS) and _is_plain_type(type(x)) and hasattr(x, '__dict__')
 
@@ -113,15 +114,15 @@ def holds_graph_node(x: Any, _seen=None) -> bool:
     return any(holds_graph_node(v, seen) for v in x)
   if isinstance(x, dict):
     return any(holds_graph_node(v, seen) for v in x.values())
-  if _is_plain_object(x):
+  if is_plain_object(x):
     return any(holds_graph_node(v, seen) for v in _compat.attributes(x).values())
-  leaves = jax.tree.leaves(x, is_leaf=lambda y: y is not x and (is_graph_node(y) or _is_plain_object(y)))
+  leaves = jax.tree.leaves(x, is_leaf=lambda y: y is not x and (is_graph_node(y) or is_plain_object(y)))
   return any(y is not x and holds_graph_node(y, seen) for y in leaves)
 
 
 def is_reference(x: Any) -> bool:
   """Passed by reference into a transform: a graph node, or a plain object holding one."""
-  return is_graph_node(x) or (_is_plain_object(x) and holds_graph_node(x))
+  return is_graph_node(x) or (is_plain_object(x) and holds_graph_node(x))
 
 
 def describe(path, variable) -> str:
@@ -285,7 +286,16 @@ def _picker(positions: list):
 
 
 _chain = itertools.chain.from_iterable
-_MISSING = object()
+
+
+class _Missing:
+  """An absent container entry (a key a call added was not there before)."""
+
+  def __repr__(self) -> str:
+    return 'MISSING'
+
+
+MISSING = _MISSING = _Missing()
 
 
 @dataclasses.dataclass(eq=False)
@@ -308,6 +318,7 @@ class Discovery:
   guard: Guard
   signature: Hashable  # structure + static attributes + captured names, for sharing traces
   plain: tuple = ()  # (source, position in the signature's captured part) of captured plain values
+  container_paths: tuple = ()  # per container: the path it was reached at
 
   def __post_init__(self):
     self._index = {id(v): i for i, v in enumerate(self.variables)}
@@ -366,29 +377,70 @@ class Discovery:
         return False
     return True
 
+  def container_name(self, c: int) -> str:
+    """How messages name the ``c``-th container (by the path it was reached at)."""
+    path = self.container_paths[c] if c < len(self.container_paths) else None
+    return f'the container at {tuple(path)!r}' if path is not None else 'a container the call reaches'
+
+  def changes_since(self, saved: list) -> list:
+    """The entries that add, replace or remove state since :meth:`snapshot`'s ``saved`` (what
+    :meth:`restore` would undo): ``(container index, key, new entry or MISSING)``, or
+    ``(container index, None, new items)`` for a list."""
+    data = {}  # id(container) -> keys of its arrays that are known state (written, not attached)
+    for v in self.variables:
+      if isinstance(v, _compat.DataAttribute):
+        data.setdefault(id(v.container), set()).add(v.key)
+    changes = []
+    for c, (container, before) in enumerate(zip(self.containers, saved)):
+      keys = data.get(id(container), ())
+      if isinstance(container, list):
+        if _list_changed(container, before, keys):
+          changes.append((c, None, list(container)))
+        continue
+      for key, value in _dict_changes(container, before, keys).items():
+        changes.append((c, key, value))
+    return changes
+
   def restore(self, saved: list) -> None:
     """Undo the changes made since :meth:`snapshot` that add, replace or remove state (graph
     nodes, arrays); other Python side effects in the same containers stay."""
     for container, before in zip(self.containers, saved):
       if isinstance(container, list):
-        if len(container) == len(before) and all(a is b for a, b in zip(container, before)):
-          continue
-        olds, news = {id(x): x for x in before}, {id(x): x for x in container}
-        changed = [x for k, x in olds.items() if k not in news] + [x for k, x in news.items() if k not in olds]
-        if any(map(_is_state, changed)):
+        if _list_changed(container, before):
           container[:] = before
         continue
-      undo = {}
-      for key in container.keys() | before.keys():
-        old, new = before.get(key, _MISSING), container.get(key, _MISSING)
-        if old is not new and (_is_state(old) or _is_state(new)):
-          undo[key] = old
-      if undo and _compat.is_node_attributes(container):
-        # a flax node's own bookkeeping (nnx.List's length, its node names) goes back with its state
-        undo = {k: before.get(k, _MISSING) for k in container.keys() | before.keys()
-                if before.get(k, _MISSING) is not container.get(k, _MISSING)}
+      undo = {key: before.get(key, _MISSING) for key in _dict_changes(container, before)}
       if undo:
         _compat.restore_entries(container, undo, _MISSING)
+
+
+def _list_changed(container: list, before: list, data_keys=()) -> bool:
+  """Whether a list gained, lost or swapped state (graph nodes, arrays) since ``before``; a new
+  array at a position in ``data_keys`` (known state, written back) is no change."""
+  if len(container) == len(before) and all(
+    a is b or (k in data_keys and isinstance(a, _ARRAYS)) for k, (a, b) in enumerate(zip(container, before))
+  ):
+    return False
+  olds, news = {id(x): x for x in before}, {id(x): x for x in container}
+  changed = [x for k, x in olds.items() if k not in news] + [x for k, x in news.items() if k not in olds]
+  return any(map(_is_state, changed))
+
+
+def _dict_changes(container: dict, before: dict, data_keys=()) -> dict:
+  """``{key: new entry or MISSING}`` of a dict's entries that add, replace or remove state (a new
+  array under a key in ``data_keys``, known state written back, is none); a flax node's own
+  bookkeeping (``nnx.List``'s length, its node names) goes with its state."""
+  changed = {}
+  for key in container.keys() | before.keys():
+    old, new = before.get(key, _MISSING), container.get(key, _MISSING)
+    if old is not new and (_is_state(old) or _is_state(new)):
+      if key in data_keys and isinstance(new, _ARRAYS):
+        continue
+      changed[key] = new
+  if changed and _compat.is_node_attributes(container):
+    changed = {k: container.get(k, _MISSING) for k in container.keys() | before.keys()
+               if before.get(k, _MISSING) is not container.get(k, _MISSING)}
+  return changed
 
 
 def _source_value(source: tuple):
@@ -416,6 +468,7 @@ class _Walker:
     self.containers = []  # guarded: they hold graph nodes
     self.counted = []  # per guarded container: a flax Pytree's attributes (edits counted)
     self.watched = []  # every mutable container met
+    self.watched_paths = []
     self.masks = []
     self.signature = []
     self._var_ids: dict[int, int] = {}
@@ -446,7 +499,7 @@ class _Walker:
       names = getattr(obj, '_fields', None)
       items = list(zip(names, obj)) if names else list(enumerate(obj))
       found = self._items(obj, items, path, root, mutable=False)
-    elif _is_plain_object(obj):
+    elif is_plain_object(obj):
       attrs = _compat.attributes(obj)
       found = self._items(attrs, list(attrs.items()), path, root, mutable=True, owner=type(obj))
     else:
@@ -507,6 +560,7 @@ class _Walker:
     self.containers.append(attrs)
     self.counted.append(True)
     self.watched.append(attrs)
+    self.watched_paths.append(path)
     self.masks.append(mask)
     self.signature.append((path, type(node), tuple(statics)))
     if isinstance(node, nnx.RngStream):
@@ -522,6 +576,7 @@ class _Walker:
     relevant = tuple(k for (k, _), m in zip(items, mask) if m)
     if mutable:
       self.watched.append(container)
+      self.watched_paths.append(path)
     if not relevant:
       return False
     if mutable:
@@ -543,6 +598,7 @@ class _Walker:
     self._seen.add(key)
     items = list(container.items()) if isinstance(container, dict) else list(enumerate(container))
     self.watched.append(container)
+    self.watched_paths.append(path)
     mask = []
     for k, v in items:
       if isinstance(v, _ARRAYS):
@@ -647,7 +703,7 @@ class _Roots:
     elif isinstance(fn, types.MethodType):
       self.add('self', RootKind.SELF, fn.__self__)
       self.explore(fn.__func__)
-    elif isinstance(fn, nnx.Pytree) or _is_plain_object(fn):
+    elif isinstance(fn, nnx.Pytree) or is_plain_object(fn):
       self.add('self', RootKind.SELF, fn)
       call = getattr(type(fn), '__call__', None)
       if isinstance(call, types.FunctionType):
@@ -691,7 +747,7 @@ class _Roots:
 def _is_callable_to_explore(obj) -> bool:
   if isinstance(obj, (types.FunctionType, functools.partial, types.MethodType)):
     return True
-  if isinstance(obj, nnx.Pytree) or _is_plain_object(obj):
+  if isinstance(obj, nnx.Pytree) or is_plain_object(obj):
     return False
   return callable(obj) and hasattr(obj, '__wrapped__') and not isinstance(obj, type)
 
@@ -724,6 +780,7 @@ def discover(fun: Callable, args: tuple, kwargs: dict) -> Discovery:
     guard=Guard(roots.cells, roots.globals, walker.containers, walker.masks, walker.counted),
     signature=(tuple(walker.signature), tuple(roots.captured)),
     plain=tuple(roots.plain),
+    container_paths=tuple(walker.watched_paths),
   )
 
 

@@ -43,7 +43,7 @@ from brainnx._engine.filters import to_filter
 from brainnx._engine.outputs import Leaf, New
 from brainnx._engine.sharding import Rules, arg_specs, constrain, layout_of, new_layout, place
 from brainnx._engine.call import check_values
-from brainnx._engine.state import STATE_CHANGES, adopt_new, read_values, set_values, write_values
+from brainnx._engine.state import STATE_CHANGES, read_values, set_values, write_values
 from brainnx._engine.stateful_function import StatefulFunction
 from brainnx._engine.tracing import Trace
 
@@ -543,7 +543,7 @@ def _body(sf: StatefulFunction, n_state: int, rules: Rules, *args):
   if plan.layout:
     written = [constrain(x, plan.layout[i]) for i, x in zip(trace.written, written)]
   written = dict(zip(trace.written, written))
-  if rules and (trace.new_vars or trace.out_spec.has_nodes):
+  if rules and (trace.attachments or trace.out_spec.has_nodes):
     new, out_leaves = _lay_out_new(rules, trace, new, out_leaves)
   if _packs(trace):
     return _Packed(written, new, out_leaves, trace)
@@ -578,7 +578,7 @@ def _shape_of(x) -> tuple:
 
 def _packs(trace: Trace) -> bool:
   """Whether the compiled output is a ``_Packed`` (rebuilt in Python) rather than the user's tree."""
-  return bool(trace.new_vars or trace.out_spec.has_nodes or trace.closed.effects)
+  return bool(trace.attachments or trace.out_spec.has_nodes or trace.closed.effects)
 
 
 def _complete(plan: _Plan, result):
@@ -607,6 +607,4 @@ def _finish(plan: _Plan, packed: _Packed):
     jax.block_until_ready((packed.written, packed.new, packed.out))
   if packed.written:
     _write(plan, packed.written)
-  trace = packed.trace
-  adopt_new(trace.new_vars, trace.new_nodes, packed.new)
-  return trace.out_spec.rebuild(packed.out, plan.disc)
+  return packed.trace.finish(plan.disc, packed.new, packed.out)

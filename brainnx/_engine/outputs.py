@@ -2,16 +2,20 @@
 
 A returned node that the call already knew (an input, or reachable from one)
 comes back as the same Python object. A node created inside the call is
-split into its graph definition and array leaves, so the leaves can leave
-the trace (stacked, under ``vmap``) and be merged into a fresh module.
+split, as ``nnx.split`` does, against the objects the call knew: its graph
+definition holds references to them (a new ``Pair(backbone, head)`` refers
+to the ``backbone`` argument) and its Variables' values leave the trace as
+leaves (stacked, under ``vmap``). Each call merges the definition anew
+against its own objects, sharing kept with what the call attached.
 
 Example:
   >>> from flax import nnx
   >>> from brainnx._engine.discovery import discover
   >>> from brainnx._engine.outputs import split_output
+  >>> from brainnx._engine.structure import GraphSplit
   >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
   >>> disc = discover(lambda m: m, (model,), {})
-  >>> spec, leaves = split_output((model, 1.0), disc)
+  >>> spec, leaves = split_output((model, 1.0), disc, GraphSplit(disc))
   >>> spec.rebuild(leaves, disc)[0] is model
   True
 """
@@ -26,9 +30,10 @@ import numpy as np
 from flax import nnx
 
 from brainnx import _compat
-from brainnx._engine.discovery import Discovery, is_graph_node, is_reference
+from brainnx._engine.discovery import Discovery, holds_graph_node, is_graph_node, is_plain_object
+from brainnx._engine.structure import GraphSplit, KnownRefs
 
-__all__ = ['Leaf', 'Known', 'KnownNode', 'New', 'Obj', 'OutSpec', 'Same', 'split_output']
+__all__ = ['Leaf', 'Known', 'KnownNode', 'New', 'Obj', 'OutSpec', 'is_output_leaf', 'split_output']
 
 # Output leaves that travel as arrays; anything else is returned as a static Python value.
 _TRACEABLE = (jax.Array, np.ndarray, np.generic, int, float, complex, bool, _compat.Tracer, jax.ShapeDtypeStruct)
@@ -55,26 +60,19 @@ class KnownNode(NamedTuple):
 
 
 class Obj(NamedTuple):
-  """A static Python value (or a node left attached inside), returned as it is."""
+  """A static Python value, returned as it is."""
 
   value: Any
   n_leaves = 0
 
 
 class New(NamedTuple):
-  """A graph node created inside the call: rebuilt by ``nnx.merge`` from its state's leaves."""
+  """A graph node created inside the call (or a created one returned again): merged per call
+  from its graph definition, its references resolved to that call's objects."""
 
   graphdef: Any
-  state_def: Any
   n_leaves: int
   leaf_vars: tuple  # (path, Variable stand-in) for each of the ``n_leaves`` leaves
-
-
-class Same(NamedTuple):
-  """A node returned again: the object built for output position ``first``."""
-
-  first: int
-  n_leaves = 0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -85,7 +83,9 @@ class OutSpec:
   slots: tuple
   has_nodes: bool
 
-  def rebuild(self, leaves: Sequence, disc: Discovery) -> Any:
+  def rebuild(self, leaves: Sequence, disc: Discovery, index_ref: dict | None = None) -> Any:
+    """The return value from its leaves; ``index_ref`` (shared with what the call attached)
+    resolves references of created nodes."""
     if not self.has_nodes:
       return jax.tree.unflatten(self.treedef, leaves)
     it = iter(leaves)
@@ -100,11 +100,10 @@ class OutSpec:
         out.append(disc.node_refs[slot.index]())
       elif kind is Obj:
         out.append(slot.value)
-      elif kind is Same:
-        out.append(out[slot.first])
       else:
-        state = jax.tree.unflatten(slot.state_def, [next(it) for _ in range(slot.n_leaves)])
-        out.append(nnx.merge(slot.graphdef, state))
+        if index_ref is None:
+          index_ref = KnownRefs(disc)
+        out.append(_compat.graph_unflatten(slot.graphdef, [next(it) for _ in range(slot.n_leaves)], index_ref))
     return jax.tree.unflatten(self.treedef, out)
 
   def new_nodes(self) -> list:
@@ -112,46 +111,61 @@ class OutSpec:
     return [s for s in self.slots if type(s) is New]
 
 
-def _stand_in(v):
-  """``v`` with shapes for values: filters can match it, and it holds no tracer."""
-  shapes = lambda x: jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), x)  # noqa: E731
-  return v.replace(shapes(v.get_value())) if isinstance(v, nnx.Variable) else shapes(v)
+def _opaque(x) -> bool:
+  """A plain object that is not a registered pytree: JAX cannot take it apart."""
+  if not is_plain_object(x):
+    return False
+  children = jax.tree.leaves(x, is_leaf=lambda y: y is not x)
+  return len(children) == 1 and children[0] is x
 
 
-def split_output(out: Any, disc: Discovery, attached: Sequence = ()) -> tuple[OutSpec, list]:
-  """``(spec, leaves)`` for a return value; ``attached`` are new nodes kept as is."""
-  flat, treedef = jax.tree.flatten(out, is_leaf=is_reference)
-  attached_ids = {id(x) for x in attached}
+def _holds_traced(x, depth: int = 3) -> bool:
+  if isinstance(x, _compat.Tracer) or is_graph_node(x):
+    return True
+  if depth == 0:
+    return False
+  if isinstance(x, (list, tuple)):
+    return any(_holds_traced(v, depth - 1) for v in x)
+  if isinstance(x, dict):
+    return any(_holds_traced(v, depth - 1) for v in x.values())
+  if is_plain_object(x):
+    return any(_holds_traced(v, depth - 1) for v in _compat.attributes(x).values())
+  return False
+
+
+def is_output_leaf(x) -> bool:
+  """How a return value is taken apart: graph nodes and opaque objects are its leaves."""
+  return is_graph_node(x) or _opaque(x)
+
+
+def split_output(out: Any, disc: Discovery, graph: GraphSplit, name: str = 'the call') -> tuple[OutSpec, list]:
+  """``(spec, leaves)`` for a return value; created nodes are split with ``graph`` (shared with
+  what the call attached)."""
+  flat, treedef = jax.tree.flatten(out, is_leaf=is_output_leaf)
   slots, leaves, has_nodes = [], [], False
-  seen: dict[int, int] = {}  # id of a node created inside -> its first output position
   for x in flat:
-    if not is_reference(x):
+    if not is_graph_node(x):
       if isinstance(x, _TRACEABLE):
         slots.append(Leaf())
         leaves.append(x)
-      else:  # a string or other Python object: static, it leaves the trace as it is
-        slots.append(Obj(x))
-        has_nodes = True
+        continue
+      if _opaque(x) and (holds_graph_node(x) or _holds_traced(x)):
+        raise TypeError(
+          f'{name} returns a {type(x).__name__} holding arrays or graph nodes, which is not a '
+          'valid JAX type (jax.jit refuses it too): register it as a pytree '
+          '(flax.struct.dataclass, jax.tree_util.register_dataclass), make it an nnx.Pytree, '
+          'or return its contents'
+        )
+      slots.append(Obj(x))  # a string or other Python object: static, it leaves the trace as it is
+      has_nodes = True
       continue
     has_nodes = True
-    if not is_graph_node(x):  # a plain object holding graph nodes: returned as it is
-      slots.append(Obj(x))
-    elif isinstance(x, nnx.Variable) and disc.index_of(x) is not None:
+    if isinstance(x, nnx.Variable) and disc.index_of(x) is not None:
       slots.append(Known(disc.index_of(x)))
     elif disc.node_index_of(x) is not None:
       slots.append(KnownNode(disc.node_index_of(x)))
-    elif id(x) in attached_ids:
-      slots.append(Obj(x))
-    elif id(x) in seen:
-      slots.append(Same(seen[id(x)]))
     else:
-      seen[id(x)] = len(slots)
-      graphdef, state = nnx.split(x)
-      state_leaves, state_def = jax.tree.flatten(state)
-      flat_state = nnx.to_flat_state(state) if isinstance(state, nnx.State) else [((), state)]
-      leaf_vars = tuple(
-        (path, _stand_in(v)) for path, v in flat_state for _ in jax.tree.leaves(v.get_value() if isinstance(v, nnx.Variable) else v)
-      )
-      slots.append(New(graphdef, state_def, len(state_leaves), leaf_vars))
-      leaves.extend(state_leaves)
+      recipe, values, stand_ins, _, paths = graph.split(x, f'the {type(x).__name__} {name} returns')
+      slots.append(New(recipe.graphdef, recipe.n_leaves, tuple(zip(paths, stand_ins))))
+      leaves.extend(values)
   return OutSpec(treedef, tuple(slots), has_nodes), leaves

@@ -32,12 +32,13 @@ import numpy as np
 
 from brainnx import _compat
 from brainnx._engine.arguments import CallArgs
-from brainnx._engine.discovery import Discovery, walk_new
+from brainnx._engine.discovery import Discovery
 from brainnx._engine.outputs import OutSpec, split_output
+from brainnx._engine.structure import NO_ATTACHMENTS, Attachments, GraphSplit, KnownRefs
 
 __all__ = [
   'STATE_CHANGES', 'TRACE_LOCK', 'StepResult', 'StepShape', 'abstract', 'abstract_args', 'abstract_states',
-  'adopt_new', 'aval_key', 'read_values', 'set_values', 'state_step', 'swapped', 'write_values',
+  'aval_key', 'finish_call', 'read_values', 'set_values', 'state_step', 'swapped', 'write_values',
 ]
 
 #: Held while Variables hold tracers and while values are written back, so that no brainnx
@@ -77,14 +78,15 @@ def set_values(variables: Sequence, values) -> None:
 
 
 @contextlib.contextmanager
-def swapped(disc: Discovery, values: Sequence, *, keep_new: bool = True):
+def swapped(disc: Discovery, values: Sequence):
   """Let every discovered Variable hold ``values[i]`` (writable here) inside the block, which
   receives the containers' contents as they were before it (``disc.snapshot()``).
 
   On exit every Variable gets its pre-call value and trace level back, and
-  every graph node its trace level. If the block raises, or ``keep_new`` is
-  false, entries the block added to or replaced in the discovered containers
-  (Module and plain-object attributes, dicts, lists) are rolled back.
+  every graph node its trace level; entries the block added to, replaced in
+  or removed from the discovered containers (Module and plain-object
+  attributes, dicts, lists) are rolled back: what a call attaches is
+  recorded inside the block and rebuilt per call (:mod:`structure`).
   """
   variables, nodes = disc.variables, disc.nodes
   with TRACE_LOCK:
@@ -102,12 +104,8 @@ def swapped(disc: Discovery, values: Sequence, *, keep_new: bool = True):
       for n in nodes:
         _compat.set_node_trace_state(n, level)
       yield contents
-      if not keep_new:
-        disc.restore(contents)
-    except BaseException:
-      disc.restore(contents)
-      raise
     finally:
+      disc.restore(contents)
       for v, x, lv in zip(variables, old_values, old_levels):
         _compat.set_raw_value(v, x)
         _compat.set_node_trace_state(v, lv)
@@ -122,35 +120,39 @@ class StepResult:
 
   ``values`` holds every discovered Variable's value after the call (tracers
   of the enclosing trace); ``written`` the indices of those that changed.
-  ``new_vars`` are Variables the call created and attached to a discovered
-  container (their values, in ``new_values``, are taken out of them so no
-  tracer outlives the trace: :func:`adopt_new` puts the final ones in);
-  ``new_nodes`` the Pytree nodes among them.
+  ``attachments`` records what the call attached to (or removed from) the
+  containers it reached, against its discovery; ``new_values`` are the
+  values of the Variables it attached (:func:`finish_call` builds them per
+  call). ``graph`` splits what it created, shared with its output.
   """
 
   out: Any
   values: list
   written: tuple[int, ...]
-  new_vars: tuple
-  new_nodes: tuple
+  attachments: Attachments
   new_values: list
+  graph: GraphSplit
+
+  @property
+  def new_vars(self) -> tuple:
+    """Stand-ins (shapes, no tracers) of the Variables the call attached: what filters see."""
+    return self.attachments.stand_ins
 
   def written_values(self) -> list:
     return [self.values[i] for i in self.written]
 
-  def split_out(self, disc: Discovery) -> tuple[OutSpec, list]:
+  def split_out(self, disc: Discovery, name: str = 'the call') -> tuple[OutSpec, list]:
     """The return value as a rebuild spec and its array leaves (computed once)."""
     split = getattr(self, '_split', None)
     if split is None:
-      split = split_output(self.out, disc, self.new_nodes)
+      split = split_output(self.out, disc, self.graph, name)
       object.__setattr__(self, '_split', split)
     return split
 
   def shape(self) -> 'StepShape':
     """The part of the result without tracers, safe to keep once the trace ends."""
-    defs = tuple(jax.tree.structure(x) for x in self.new_values)
     written_defs = tuple(jax.tree.structure(self.values[i]) for i in self.written)
-    return StepShape(self.written, written_defs, self.new_vars, self.new_nodes, defs)
+    return StepShape(self.written, written_defs, self.attachments)
 
 
 class StepShape(NamedTuple):
@@ -158,34 +160,48 @@ class StepShape(NamedTuple):
 
   written: tuple[int, ...]
   written_defs: tuple  # tree structure of each written value (a write may change it: ``sow``)
-  new_vars: tuple
-  new_nodes: tuple
-  new_defs: tuple
+  attachments: Attachments
 
 
-def state_step(fun: Callable, disc: Discovery, call: CallArgs, state_values: Sequence, dyn: Sequence,
-               *, keep_new: bool = True) -> StepResult:
+def _is_container_value(x) -> bool:
+  return isinstance(x, (dict, list))
+
+
+def state_step(fun: Callable, disc: Discovery, call: CallArgs, state_values: Sequence, dyn: Sequence) -> StepResult:
   """Swap ``state_values`` in, call ``fun`` on ``call`` with ``dyn``, collect, restore.
 
   This is the one place a transform runs a user function against the
   Variables; ``jit``, ``grad``, the mapped body and the loop bodies all
-  call it inside their own trace. With ``keep_new=False`` Variables the
-  function creates are detached again (a trace only).
+  call it inside their own trace. A write is a new value, or an edit
+  inside a dict or list value (``v['k'] = x``, what ``sow`` does to
+  ``nnx.capture``'s buffers).
   """
-  with swapped(disc, state_values, keep_new=keep_new) as before:
+  inside = [(i, jax.tree.structure(x), jax.tree.leaves(x)) for i, x in enumerate(state_values) if _is_container_value(x)]
+  with swapped(disc, state_values) as before:
     edits = _compat.PYTREE_EDITS[0]
     args, kwargs = call.rebuild(dyn, call.refs)
     out = fun(*args, **kwargs)
     now = [_compat.raw_value(v) for v in disc.variables]
+    graph = GraphSplit(disc)
     if _compat.PYTREE_EDITS[0] == edits and disc.unchanged_since(before):
-      new_vars, new_nodes = (), ()  # nothing was attached anywhere: no walk needed
+      attachments, new_values = NO_ATTACHMENTS, []  # nothing was attached anywhere
     else:
-      new_vars, new_nodes = walk_new(disc)
-    new_values = [_compat.raw_value(v) for v in new_vars]
-    for v in new_vars:  # no tracer may outlive its trace: adopt_new gives the final values
-      _compat.set_raw_value(v, jax.tree.map(abstract, _compat.raw_value(v)))
-  written = tuple(i for i, (a, b) in enumerate(zip(now, state_values)) if a is not b)
-  return StepResult(out, now, written, tuple(new_vars), tuple(new_nodes), new_values)
+      attachments, new_values = graph.attachments(disc.changes_since(before))
+  written = {i for i, (a, b) in enumerate(zip(now, state_values)) if a is not b}
+  for i, structure, leaves in inside:
+    if i not in written and (jax.tree.structure(now[i]) != structure or any(
+        a is not b for a, b in zip(jax.tree.leaves(now[i]), leaves))):
+      written.add(i)
+  return StepResult(out, now, tuple(sorted(written)), attachments, new_values, graph)
+
+
+def finish_call(disc: Discovery, attachments: Attachments, new_values: Sequence, out_spec: OutSpec,
+                out_leaves: Sequence, *, attach: bool = True) -> tuple[Any, list]:
+  """``(output, attached Variables)``: what a call attached built and attached anew for this
+  call's objects, and its output rebuilt, sharing one set of references (``nnx.merge``)."""
+  index_ref = KnownRefs(disc) if attachments or out_spec.has_nodes else None
+  attached = attachments.apply(disc, new_values, index_ref, attach=attach) if attachments else []
+  return out_spec.rebuild(out_leaves, disc, index_ref), attached
 
 
 def write_values(disc: Discovery, indices: Sequence[int], values: Sequence) -> None:
@@ -210,16 +226,6 @@ def write_values(disc: Discovery, indices: Sequence[int], values: Sequence) -> N
 
 def _holds_tracer(x) -> bool:
   return any(isinstance(leaf, _compat.Tracer) for leaf in jax.tree.leaves(x))
-
-
-def adopt_new(new_vars: Sequence, new_nodes: Sequence, values: Sequence) -> None:
-  """Give Variables created inside a call their final values and this trace level."""
-  level = _compat.new_trace_state()
-  for v, x in zip(new_vars, values):
-    _compat.set_raw_value(v, x)
-    _compat.set_node_trace_state(v, level)
-  for n in new_nodes:
-    _compat.set_node_trace_state(n, level)
 
 
 # -- abstract values ---------------------------------------------------------------

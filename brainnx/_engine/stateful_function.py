@@ -36,7 +36,7 @@ from brainnx._engine.caches import LRUCache
 from brainnx._engine.call import check_values
 from brainnx._engine.discovery import Discovery, discover
 from brainnx._engine.errors import check_callable
-from brainnx._engine.state import abstract_args, abstract_states, adopt_new, aval_key, read_values, write_values
+from brainnx._engine.state import abstract_args, abstract_states, aval_key, read_values, write_values
 from brainnx._engine.tracing import Trace, TraceKey, trace_call
 
 __all__ = ['StatefulFunction', 'make_jaxpr']
@@ -121,7 +121,7 @@ class StatefulFunction:
     disc = discover(self.fun, args, kwargs)
     return call, disc
 
-  def trace_for(self, disc: Discovery, call: CallArgs, state_values, dyn, *, keep_new=True) -> Trace:
+  def trace_for(self, disc: Discovery, call: CallArgs, state_values, dyn) -> Trace:
     """The (cached) trace of this call; ``state_values`` are per discovered Variable."""
     state_avals, dyn_avals = abstract_states(disc, state_values), abstract_args(dyn)
     key = TraceKey(disc.signature, call.signature, aval_key(state_avals), aval_key(dyn_avals))
@@ -129,7 +129,7 @@ class StatefulFunction:
     if found is not None:
       return found
     trace = trace_call(
-      self.fun, disc, call, state_avals, dyn_avals, only_write=self.return_only_write, keep_new=keep_new
+      self.fun, disc, call, state_avals, dyn_avals, only_write=self.return_only_write
     )
     if trace.cacheable:
       self._cache.set(key, trace)
@@ -137,11 +137,11 @@ class StatefulFunction:
         self._cache.set(TraceKey(disc.signature, *key[1:]), trace)
     return trace
 
-  def _trace(self, args, kwargs, keep_new=False):
+  def _trace(self, args, kwargs):
     call, disc = self._prepare(args, kwargs)
     values = read_values(disc.variables)
     check_values(disc, values)
-    return call, disc, self.trace_for(disc, call, values, call.dyn, keep_new=keep_new)
+    return call, disc, self.trace_for(disc, call, values, call.dyn)
 
   def make_jaxpr(self, *args, **kwargs) -> 'StatefulFunction':
     """Trace for these arguments (arrays or ``jax.ShapeDtypeStruct``s); returns ``self``.
@@ -361,10 +361,10 @@ class StatefulFunction:
     call, disc, trace = self._trace(args, kwargs)
     state_vals = list(state_vals)
     trace.check_states(disc, state_vals, f'{self.name}.jaxpr_call')
-    outs, _, out_leaves = trace.run(state_vals, jax.tree.leaves(call.dyn))
+    outs, new, out_leaves = trace.run(state_vals, jax.tree.leaves(call.dyn))
     by_index = dict(zip(trace.written if trace.only_write else trace.states, outs))
     new_vals = [by_index.get(i, x) for i, x in zip(trace.states, state_vals)]
-    return new_vals, trace.out_spec.rebuild(out_leaves, disc)
+    return new_vals, trace.finish(disc, new, out_leaves, attach=False)
 
   def __call__(self, *args, **kwargs) -> Any:
     """Run the traced computation on current values and write the results back.
@@ -407,7 +407,7 @@ class StatefulFunction:
     check_values(disc, values)
     contents = disc.snapshot()
     try:
-      trace = self.trace_for(disc, call, values, call.dyn, keep_new=True)
+      trace = self.trace_for(disc, call, values, call.dyn)
       outs, new, out_leaves = trace.run([values[i] for i in trace.states], jax.tree.leaves(call.dyn))
       if trace.closed.effects:  # let a failing host callback raise before anything is written
         jax.block_until_ready((outs, new, out_leaves))
@@ -416,8 +416,7 @@ class StatefulFunction:
       raise
     written = trace.written if trace.only_write else trace.states
     write_values(disc, written, outs)
-    adopt_new(trace.new_vars, trace.new_nodes, new)
-    return trace.out_spec.rebuild(out_leaves, disc)
+    return trace.finish(disc, new, out_leaves)
 
   def clear_cache(self) -> None:
     """Forget every cached trace.

@@ -34,7 +34,8 @@ from brainnx._engine.arguments import CallArgs
 from brainnx._engine.call import StatefulCall, StepInfo
 from brainnx._engine.discovery import Discovery
 from brainnx._engine.outputs import OutSpec
-from brainnx._engine.state import _abstract_tree
+from brainnx._engine.state import _abstract_tree, finish_call
+from brainnx._engine.structure import Attachments
 
 __all__ = ['Trace', 'TraceKey', 'trace_call']
 
@@ -68,16 +69,29 @@ class Trace:
   state_avals: tuple  # abstract value of each touched state
   out_defs: tuple  # tree structure of each returned state value (written or all, in ``states`` order)
   only_write: bool
-  new_vars: tuple
-  new_nodes: tuple
-  new_defs: tuple
+  attachments: Attachments  # what the call attaches, rebuilt per call (see ``structure``)
   out_spec: OutSpec
   out_leaf_shapes: tuple  # ShapeDtypeStruct per output leaf
   cacheable: bool
 
+  @property
+  def new_vars(self) -> tuple:
+    """Stand-ins (shapes) of the Variables the call attaches, one per created leaf."""
+    return self.attachments.stand_ins
+
+  @property
+  def new_defs(self) -> tuple:
+    return self.attachments.defs
+
+  def finish(self, disc: Discovery, new_values, out_leaves, *, attach: bool = True) -> Any:
+    """What the call attached built and attached for ``disc``'s objects; the output rebuilt."""
+    return finish_call(disc, self.attachments, new_values, self.out_spec, list(out_leaves), attach=attach)[0]
+
   def out_shapes(self, disc: Discovery) -> Any:
     """The output with ``ShapeDtypeStruct`` leaves (Modules created inside rebuilt anew each time)."""
-    return self.out_spec.rebuild(list(self.out_leaf_shapes), disc)
+    new = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _compat.raw_value(v))
+           for v in self.attachments.stand_ins]
+    return self.finish(disc, new, self.out_leaf_shapes, attach=False)
 
   def run(self, state_values: Sequence, dyn_leaves: Sequence):
     """Evaluate the jaxpr: ``(written or all state values, new var values, out leaves)``."""
@@ -123,17 +137,14 @@ def trace_call(
   dyn_avals: Sequence,
   *,
   only_write: bool = True,
-  keep_new: bool = True,
   name: str | None = None,
 ) -> Trace:
   """Trace ``fun`` on the abstract values of the Variables and dynamic arguments.
 
-  With ``keep_new`` Variables the function creates and attaches to
-  discovered containers stay attached (holding shapes until the caller
-  gives them values with :func:`adopt_new`); otherwise they are detached.
+  Nothing the function attaches stays attached: the trace records it
+  (``Trace.attachments``) and :meth:`Trace.finish` builds it per call.
   """
-  stateful = StatefulCall(fun, disc, call, name=name or getattr(fun, '__name__', 'trace'),
-                          creates='keep' if keep_new else 'detach')
+  stateful = StatefulCall(fun, disc, call, name=name or getattr(fun, '__name__', 'trace'), creates='keep')
   pure = functools.wraps(fun)(lambda states_in, dyn_in: stateful.pure(states_in, dyn_in))
   with _compat.created_variables(log=False):  # this level: where Variables the trace orphans go
     closed, shapes = jax.make_jaxpr(pure, return_shape=True)(list(state_avals), list(dyn_avals))
@@ -214,9 +225,7 @@ def _finish_trace(closed, shapes, step: StepInfo, disc, state_avals, only_write)
       if i in written_set or not only_write
     ),
     only_write=only_write,
-    new_vars=step.new_vars,
-    new_nodes=step.new_nodes,
-    new_defs=step.new_defs,
+    attachments=step.attachments,
     out_spec=step.out_spec,
     out_leaf_shapes=tuple(shapes[2]),
     cacheable=cacheable,

@@ -33,7 +33,7 @@ from brainnx._engine.eager import run
 from brainnx._engine.filters import stacks_exempt
 from brainnx._transforms.progress import ProgressBar, check_pbar, runner_for
 from brainnx._transforms import scan_state
-from brainnx._engine.state import abstract_args, abstract_states, adopt_new, aval_key, read_values, write_values
+from brainnx._engine.state import abstract_args, abstract_states, aval_key, finish_call, read_values, write_values
 from brainnx._engine.tracing import Trace, trace_call
 from brainnx._engine.errors import BatchAxisError, check_callable
 from brainnx._engine.outputs import Leaf
@@ -131,7 +131,7 @@ class _Body:
     for i in self.sliced:
       avals[i] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype, weak_type=a.weak_type), avals[i])
     self.trace = self.last_trace = self._trace_for(avals, abstract_args(self.call.dyn))
-    if (self.trace.new_vars and not keep_new) or self.trace.out_spec.new_nodes():
+    if (self.trace.attachments and not keep_new) or self.trace.out_spec.new_nodes():
       if name in _BRANCHING:
         raise ValueError(
           f'{name}: a branch creates Variables or Modules; create them before calling {name} '
@@ -146,9 +146,7 @@ class _Body:
     key = (aval_key(state_avals), aval_key(dyn_avals))
     trace = self._traces.get(key)
     if trace is None:
-      if len(self._traces) and self.keep_new:  # traced again (a promoted carry): the last trace's creations go
-        self.disc.restore(self.contents)
-      trace = trace_call(self.f, self.disc, self.call, state_avals, dyn_avals, keep_new=self.keep_new)
+      trace = trace_call(self.f, self.disc, self.call, state_avals, dyn_avals)
       self._traces.set(key, trace)
     return trace
 
@@ -402,8 +400,8 @@ def _scan_impl(f, bar, init, xs, length, reverse, unroll, pbar, state_in_axes=No
   write_values(body.disc, [body.sliced[k] for k in sliced_written], [slices[k] for k in sliced_written])
   if n:  # a fixed stream's count: what one step leaves (every step leaves the same)
     write_values(body.disc, fixed_written, [jax.tree.map(lambda a: a[-1], v) for v in fixed_out])
-  adopt_new(body.last_trace.new_vars, body.last_trace.new_nodes, created)  # stacked over the steps
-  return body.trace.out_spec.rebuild(list(leaves) + list(ys), body.disc)
+  # what the body attached comes out stacked over the steps
+  return finish_call(body.disc, body.last_trace.attachments, created, body.trace.out_spec, list(leaves) + list(ys))[0]
 
 
 def _stacked_length(f, init, xs, state_in_axes, name='scan') -> int | None:

@@ -44,7 +44,8 @@ from brainnx._engine.jitted import JitOptions
 from brainnx._engine.outputs import Leaf, New, OutSpec
 from brainnx._engine.rng import advanced_count, split_per_element
 from brainnx._engine.call import Record, StatefulCall
-from brainnx._engine.state import adopt_new, read_values, write_values
+from brainnx._engine.state import finish_call, read_values, write_values
+from brainnx._engine.structure import Attachments
 from brainnx._engine.errors import check_callable
 from brainnx._transforms import vmap_checks
 
@@ -506,8 +507,7 @@ def _warn_identical_members(cfg: MapConfig, spec, leaves: list, axes: list, batc
 class _Decisions:
   """What the mapped body found out about one call, decided on its first trace."""
 
-  new_vars: tuple
-  new_nodes: tuple
+  attachments: Attachments  # what the call attached (one stand-in per created leaf)
   out_spec: OutSpec
   written: list  # discovery indices written (RNG streams excluded)
   placement: list  # per written Variable: an int axis or ONCE
@@ -554,8 +554,7 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
       _check_unbatched_outputs(cfg, out_spec, out_leaves, out_axes, batched)
       _warn_identical_members(cfg, out_spec, out_leaves, out_axes, batched)
       decisions.set(_Decisions(
-        new_vars=step.new_vars,
-        new_nodes=step.new_nodes,
+        attachments=step.attachments,
         out_spec=out_spec,
         written=written,
         placement=[_decide(cfg, disc, i, layout.state_axes[i], batched(step.values[i])) for i in written],
@@ -583,33 +582,31 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
     leaves = [_place(x, ONCE if a is None else a, empty) for x, a in zip(out_leaves, decided.out_axes)]
     streams = [c for _, c in layout.split_streams]
     write_values(disc, decided.written + streams, written_now + [advanced_count(values[c]) for c in streams])
-  new_vars = decided.new_vars
-  adopt_new(new_vars, decided.new_nodes, new_now)
+  result, attached = finish_call(disc, decided.attachments, new_now, decided.out_spec, leaves)
   if cfg.new_states and cfg.state_tag is not None:
-    for v, axis in zip(new_vars, decided.new_placement):
-      if axis is not ONCE:
+    for v, axis in zip(attached, decided.new_placement):
+      if v is not None and axis is not ONCE:
         v.set_metadata(tag=cfg.state_tag)
-  result = decided.out_spec.rebuild(leaves, disc)
-  _mark_stacked(cfg, decided, result, size)
+  _mark_stacked(cfg, decided, result, size, attached)
   return result
 
 
 def _check_out_rules(cfg: MapConfig, disc: Discovery, decided: '_Decisions') -> None:
   """Every ``state_out_axes`` entry must match a Variable reached, created or returned."""
-  named = list(zip(disc.paths, disc.variables)) + [((), v) for v in decided.new_vars]
+  named = list(zip(disc.paths, disc.variables)) + [((), v) for v in decided.attachments.stand_ins]
   for slot in decided.out_spec.new_nodes():
     named.extend(slot.leaf_vars)
   vmap_checks.check_rules_reach(cfg.name, cfg.state_out, named, 'the function reaches or creates')
 
 
-def _mark_stacked(cfg: MapConfig, decided: '_Decisions', result, size: int) -> None:
+def _mark_stacked(cfg: MapConfig, decided: '_Decisions', result, size: int, attached: list) -> None:
   """Record the batch axis on every Variable this call built stacked: those of Modules created
   inside and returned, and those created inside that come out batched (``vmap_new_states``)."""
   vmap_checks.mark_results(decided.out_spec, result, decided.out_axes, size)
   if not cfg.new_states:  # a sown Intermediate under plain vmap stays as flax would give it
     return
-  for v, axis in zip(decided.new_vars, decided.new_placement):
-    if axis is not ONCE:
+  for v, axis in zip(attached, decided.new_placement):
+    if v is not None and axis is not ONCE:
       mark_stacked(v, axis, size)
 
 

@@ -37,7 +37,7 @@ from flax import nnx
 from brainnx import _compat
 from brainnx._engine.discovery import Discovery, RootKind, is_reference
 from brainnx._engine.errors import BatchAxisError
-from brainnx._engine.outputs import Leaf, New
+from brainnx._engine.outputs import Leaf, New, is_output_leaf
 from brainnx._engine.filters import (
   AxisRules, code, filter_code, mark_stacked, rules_code, stacked_of, stacks_exempt, types_code,
 )
@@ -165,7 +165,7 @@ def mark_results(spec, result, out_axes: Sequence, size: int) -> None:
   """Give the Variables of Modules created inside the call, returned stacked, their record."""
   if not spec.new_nodes():
     return
-  flat = jax.tree.flatten(result, is_leaf=is_reference)[0]
+  flat = jax.tree.flatten(result, is_leaf=is_output_leaf)[0]
   if len(flat) != len(spec.slots):
     return
   it = iter(out_axes)
