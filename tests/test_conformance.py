@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from flax.struct import dataclass as flax_struct_dataclass
 from jax.sharding import PartitionSpec as P
 
 import brainnx as bnx
@@ -712,3 +713,125 @@ def test_node_created_inside_and_returned(name):
 def test_node_created_inside_and_returned_is_refused_by_name(name):
   with pytest.raises(ValueError, match=f'^{name}: '):
     REFUSES_CREATED[name]()
+
+
+# -- the object graph of a call ---------------------------------------------------------
+# What a call creates, attaches and returns is rebuilt from that call's own objects, as
+# nnx.split/nnx.merge do: two models of one structure through one transformed function each
+# get their own effects, and what a call returns shares what nnx.jit's output shares.
+
+
+class _Sower(nnx.Module):
+  def __init__(self, scale):
+    self.scale = nnx.Param(jnp.full((3,), scale))
+
+  def __call__(self, x):
+    self.seen = nnx.Intermediate(x * self.scale[...])  # created and attached on every call
+    return x * self.scale[...]
+
+
+# Transforms that keep what a call attaches; eval_shape computes nothing and attaches nothing
+# (documented); every other transform refuses a function that creates Variables, by name (vmap
+# and pmap because the created value differs per element: vmap_new_states stacks it).
+ATTACHES = ['jit', 'vmap_new_states', 'map', 'scan', 'for_loop', 'fori_loop']
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_two_models_of_one_structure_get_their_own_attachments(name):
+  holder = {'m': _Sower(1.0)}
+  g = make(name, lambda x: holder['m'](x))
+  a, b = _Sower(1.0), _Sower(2.0)
+  holder['m'] = a
+  if name not in ATTACHES and name != 'eval_shape':
+    with pytest.raises(ValueError, match=f'^{name}: '):
+      g(X)
+    assert not hasattr(a, 'seen')
+    return
+  g(X)
+  if name == 'eval_shape':
+    holder['m'] = b
+    g(X)
+    assert not hasattr(a, 'seen') and not hasattr(b, 'seen')
+    return
+  first = np.asarray(a.seen.get_value())
+  holder['m'] = b
+  g(X)
+  assert a.seen is not b.seen
+  np.testing.assert_array_equal(np.asarray(a.seen.get_value()), first)  # b's call left a's alone
+  np.testing.assert_allclose(np.asarray(b.seen.get_value()), 2 * first)  # b's own values (scale 2)
+  # the oracle: the same program run eagerly, once per model
+  np.testing.assert_allclose(first.reshape(-1, 3)[0], np.asarray(X), rtol=1e-6)
+
+
+@pytest.mark.parametrize('name', ATTACHES)
+def test_an_attribute_popped_is_created_again(name):
+  m = _Sower(1.0)
+  g = make(name, lambda x: m(x))
+  g(X)
+  nnx.pop(m, nnx.Intermediate)
+  assert not hasattr(m, 'seen')
+  g(X)
+  assert isinstance(m.seen, nnx.Intermediate) and not isinstance(m.seen.get_value(), jax.ShapeDtypeStruct)
+
+
+class _Pair(nnx.Module):
+  def __init__(self, a, b):
+    self.a, self.b = a, b
+
+
+def _wrap(m, x):
+  return _Pair(m, nnx.Linear(3, 3, rngs=nnx.Rngs(0))), x
+
+
+WRAPS = {
+  'jit': lambda m: bnx.jit(_wrap)(m, X)[0],
+  'vmap': lambda m: bnx.vmap(_wrap, in_axes=(None, 0), out_axes=(None, 0))(m, twice(X))[0],
+  'vmap_new_states': lambda m: bnx.vmap_new_states(_wrap, in_axes=(None, None), axis_size=1)(m, X)[0],
+  'pmap': lambda m: bnx.pmap(lambda m, x: _wrap(m, x)[0], in_axes=(None, 0), out_axes=None)(m, twice(X)[:1]),
+  'remat': lambda m: bnx.remat(_wrap)(m, X)[0],
+  'eval_shape': lambda m: bnx.eval_shape(_wrap, m, X)[0],
+}
+
+
+@pytest.mark.filterwarnings('ignore:.*all members are identical')  # one Rngs made inside: meant here
+@pytest.mark.parametrize('name', list(WRAPS))
+def test_a_new_node_holds_this_calls_argument(name):
+  assert set(WRAPS) == set(RETURNS_CREATED)  # every transform that returns created nodes
+  first, second = nnx.Linear(3, 3, rngs=nnx.Rngs(1)), nnx.Linear(3, 3, rngs=nnx.Rngs(2))
+  one, two = WRAPS[name](first), WRAPS[name](second)
+  assert one.a is first and two.a is second  # nnx.jit: the argument itself, not a copy
+  assert one.b is not two.b
+
+
+@flax_struct_dataclass
+class _Box:
+  var: object
+  value: object
+
+
+def _shared_outputs(x):
+  m = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+  return m, nnx.variables(m, nnx.Param), [m.kernel], _Box(m.bias, x * 2)
+
+
+SHARES = {
+  'jit': lambda: bnx.jit(_shared_outputs)(X),
+  'vmap': lambda: bnx.vmap(_shared_outputs, in_axes=None, out_axes=None, axis_size=2)(X),
+  'remat': lambda: bnx.remat(_shared_outputs)(X),
+  'eval_shape': lambda: bnx.eval_shape(_shared_outputs, X),
+}
+
+
+@pytest.mark.filterwarnings('ignore:.*all members are identical')
+@pytest.mark.parametrize('name', list(SHARES))
+def test_returned_structure_is_what_nnx_jit_returns(name):
+  want = nnx.jit(_shared_outputs)(X)
+  got = SHARES[name]()
+  for m, params, kernels, box in (want, got):
+    assert params['kernel'] is m.kernel and params['bias'] is m.bias
+    assert kernels[0] is m.kernel and box.var is m.bias
+    assert not isinstance(box.value, jax.core.Tracer)
+    assert not isinstance(m.kernel.get_value(), jax.core.Tracer)
+  if name != 'eval_shape':
+    np.testing.assert_allclose(np.asarray(got[3].value), np.asarray(want[3].value))
+    np.testing.assert_array_equal(np.asarray(got[0].kernel[...]), np.asarray(want[0].kernel[...]))
