@@ -1,0 +1,237 @@
+"""A call's object graph: what it creates, attaches, returns and shares, per call.
+
+Each expected value comes from ``nnx.jit``, ``jax.jit`` or eager Python on the
+same program; the guarantees that span transforms are in ``test_conformance.py``.
+"""
+
+import gc
+import types
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx, struct
+
+import brainnx as bnx
+
+
+class MLP(nnx.Module):
+  def __init__(self, rngs):
+    self.l1 = nnx.Linear(1, 16, rngs=rngs)
+    self.l2 = nnx.Linear(16, 1, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l2(jax.nn.relu(self.l1(x)))
+
+
+def _train(jitter, steps=30):
+  """flax's FSDP toy example's pattern: model and optimizer created inside a jitted function."""
+
+  @jitter
+  def create():
+    model = MLP(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+  model, optimizer = create()
+
+  @jitter
+  def step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(lambda m: ((m(x) - y) ** 2).mean())(model)
+    optimizer.update(model, grads)
+    return loss
+
+  x = jnp.linspace(-1, 1, 32)[:, None]
+  return model, optimizer, [float(step(model, optimizer, x, x**2)) for _ in range(steps)]
+
+
+def test_model_and_optimizer_created_inside_share_their_params_and_train_as_flax():
+  model, optimizer, losses = _train(bnx.jit)
+  want = _train(nnx.jit)[2]
+  np.testing.assert_allclose(losses, want, rtol=1e-6)
+  assert losses[-1] < losses[0] / 5
+
+
+def test_returned_state_shares_the_returned_modules_variables():
+  m, p = bnx.jit(lambda: (lambda m: (m, nnx.variables(m, nnx.Param)))(nnx.Linear(2, 3, rngs=nnx.Rngs(0))))()
+  want_m, want_p = nnx.jit(lambda: (lambda m: (m, nnx.variables(m, nnx.Param)))(nnx.Linear(2, 3, rngs=nnx.Rngs(0))))()
+  assert (p['kernel'] is m.kernel) and (want_p['kernel'] is want_m.kernel)
+
+
+def test_two_returned_dicts_sharing_one_linear():
+  def build():
+    shared = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    return nnx.Dict(a=shared), nnx.Dict(b=shared)
+
+  a, b = bnx.jit(build)()
+  assert a['a'] is b['b']
+
+
+def test_an_unregistered_object_holding_a_model_or_a_tracer_is_refused_as_jax_jit_does():
+  m = nnx.Linear(1, 1, rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match='returns a SimpleNamespace holding arrays or graph nodes'):
+    bnx.jit(lambda m: types.SimpleNamespace(m=m))(m)
+
+  class Holder:
+    pass
+
+  def f(x):
+    h = Holder()
+    h.x = x * 2
+    return h
+
+  with pytest.raises(TypeError, match='returns a Holder holding arrays'):
+    bnx.jit(f)(jnp.ones(2))
+  with pytest.raises(TypeError, match='not a valid JAX type'):  # the oracle
+    jax.jit(f)(jnp.ones(2))
+
+
+@struct.dataclass
+class Box:
+  a: object
+  b: object
+
+
+def test_registered_dataclass_outputs_are_concrete_and_keep_the_callers_variable():
+  v = nnx.Variable(jnp.ones(2))
+  out = bnx.jit(lambda: Box(v, v[...] * 2))()
+  assert out.a is v
+  np.testing.assert_array_equal(np.asarray(out.b), np.asarray(jax.jit(lambda: v[...] * 2)()))
+  new = bnx.jit(lambda x: Box(nnx.Param(x), x))(jnp.arange(2.0))
+  assert isinstance(new.a, nnx.Param) and isinstance(new.a.get_value(), jax.Array)
+  np.testing.assert_array_equal(np.asarray(new.a[...]), [0.0, 1.0])
+
+
+class TrainState(struct.PyTreeNode):
+  params: dict
+  opt_state: object
+  step: jax.Array
+
+
+def test_a_train_state_dataclass_step_is_a_drop_in_for_jax_jit():
+  """flax's train-state example, with ``jax.jit`` replaced by ``bnx.jit``."""
+  tx = optax.sgd(0.1)
+  params = {'w': jnp.array([1.0, -2.0])}
+
+  def step(state, x):
+    loss, grads = jax.value_and_grad(lambda p: ((x @ p['w']) ** 2).mean())(state.params)
+    updates, opt_state = tx.update(grads, state.opt_state)
+    return TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1), loss
+
+  x = jnp.ones((4, 2))
+  got = want = TrainState(params, tx.init(params), jnp.array(0))
+  for _ in range(3):
+    got, _ = bnx.jit(step)(got, x)
+    want, _ = jax.jit(step)(want, x)
+  assert int(got.step) == 3
+  np.testing.assert_allclose(np.asarray(got.params['w']), np.asarray(want.params['w']))
+
+
+class Sows(nnx.Module):
+  def __init__(self):
+    self.l = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+  def __call__(self, x):
+    self.sow(nnx.Intermediate, 'h', x)
+    return self.l(x)
+
+
+@pytest.mark.filterwarnings('ignore:.*sow')
+def test_sow_through_one_function_over_two_models():
+  f = bnx.jit(lambda m, x: m(x))
+  a, b = Sows(), Sows()
+  f(a, jnp.ones(2))
+  f(b, 2 * jnp.ones(2))
+  assert a.h is not b.h
+  np.testing.assert_array_equal(np.asarray(a.h.get_value()[0]), [1.0, 1.0])
+  np.testing.assert_array_equal(np.asarray(b.h.get_value()[0]), [2.0, 2.0])
+
+
+def test_a_head_attached_and_returned_is_the_attached_object_for_each_model():
+  def add_head(m):
+    m.head = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    return m.head
+
+  f = bnx.jit(add_head)
+  a, b = Sows(), Sows()
+  ha, hb = f(a), f(b)
+  assert a.head is ha and b.head is hb and ha is not hb
+  want = nnx.Linear(2, 1, rngs=nnx.Rngs(0)).kernel[...]
+  np.testing.assert_array_equal(np.asarray(hb.kernel[...]), np.asarray(want))
+
+
+class Records(nnx.Module):
+  def __init__(self):
+    self.w = nnx.Param(jnp.ones(2))
+
+  def __call__(self, x):
+    self.y = nnx.Intermediate(x * self.w[...])
+    return x * self.w[...]
+
+
+def test_lowering_attaches_nothing_and_the_compiled_call_does():
+  m = Records()
+  compiled = bnx.jit(m).lower(jnp.ones(2)).compile()
+  assert not hasattr(m, 'y')
+  compiled(jnp.full(2, 3.0))
+  np.testing.assert_array_equal(np.asarray(m.y[...]), [3.0, 3.0])
+
+
+def test_make_jaxpr_before_the_call_then_the_call_attaches():
+  m = Records()
+  sf = bnx.StatefulFunction(m)
+  sf.make_jaxpr(jnp.ones(2))
+  assert not hasattr(m, 'y')
+  sf(jnp.full(2, 2.0))
+  np.testing.assert_array_equal(np.asarray(m.y[...]), [2.0, 2.0])
+
+
+def test_a_rebound_closure_model_gets_its_own_attribute():
+  holder = Records()
+  f = bnx.jit(lambda x: holder(x))
+  f(jnp.ones(2))
+  first = holder
+  holder = Records()  # noqa: F841 - rebinds the closure cell
+  f(jnp.ones(2))
+  assert hasattr(holder, 'y') and holder.y is not first.y
+
+
+def test_a_key_set_inside_a_dict_value_is_a_write():
+  v = nnx.Variable({})
+  bnx.jit(lambda x: v.__setitem__('k', x) or x)(jnp.ones(2))
+  want = nnx.Variable({})
+  nnx.jit(lambda x: want.__setitem__('k', x) or x)(jnp.ones(2))
+  assert set(v.get_value()) == set(want.get_value()) == {'k'}
+
+
+def test_nnx_capture_around_jit_and_vmap():
+  m = Sows()
+  _, got = nnx.capture(bnx.jit(lambda m, x: m(x)), nnx.Intermediate)(m, jnp.ones(2))
+  _, want = nnx.capture(lambda m, x: m(x), nnx.Intermediate)(Sows(), jnp.ones(2))
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  np.testing.assert_array_equal(np.asarray(jax.tree.leaves(got)[0]), np.asarray(jax.tree.leaves(want)[0]))
+  batched = bnx.vmap(lambda m, x: m(x), in_axes=(None, 0), state_out_axes={0: nnx.Intermediate})
+  _, per_element = nnx.capture(batched, nnx.Intermediate)(Sows(), jnp.ones((3, 2)))
+  assert [x.shape for x in jax.tree.leaves(per_element)] == [(3, 2)]
+
+
+def test_a_module_attached_inside_dies_with_its_holder():
+  class Holder(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(jnp.ones(2))
+
+  holder = Holder()
+
+  def attach(x):
+    holder.extra = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    return x
+
+  f = bnx.jit(attach)
+  f(jnp.ones(2))
+  extra = weakref.ref(holder.extra)
+  f.clear_cache()
+  del f, holder, attach
+  gc.collect()
+  assert extra() is None
