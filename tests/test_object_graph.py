@@ -235,3 +235,12 @@ def test_a_module_attached_inside_dies_with_its_holder():
   del f, holder, attach
   gc.collect()
   assert extra() is None
+
+
+def test_x64_retraces_a_function_without_arguments_as_jax_jit_does():
+  f = bnx.jit(lambda: jnp.array(1.0) * 2)
+  assert f().dtype == jnp.float32
+  with jax.enable_x64(True):
+    got, want = f(), jax.jit(lambda: jnp.array(1.0) * 2)()
+  assert got.dtype == want.dtype == jnp.float64
+  assert f().dtype == jnp.float32

@@ -37,7 +37,7 @@ from brainnx._engine.call import check_values
 from brainnx._engine.discovery import Discovery, discover
 from brainnx._engine.errors import check_callable
 from brainnx._engine.state import abstract_args, abstract_states, aval_key, read_values, write_values
-from brainnx._engine.tracing import Trace, TraceKey, trace_call
+from brainnx._engine.tracing import Trace, TraceKey, trace_call, tracing_config
 
 __all__ = ['StatefulFunction', 'make_jaxpr']
 
@@ -124,7 +124,7 @@ class StatefulFunction:
   def trace_for(self, disc: Discovery, call: CallArgs, state_values, dyn) -> Trace:
     """The (cached) trace of this call; ``state_values`` are per discovered Variable."""
     state_avals, dyn_avals = abstract_states(disc, state_values), abstract_args(dyn)
-    key = TraceKey(disc.signature, call.signature, aval_key(state_avals), aval_key(dyn_avals))
+    key = TraceKey(disc.signature, call.signature, aval_key(state_avals), aval_key(dyn_avals), tracing_config())
     found = self._cache.get(key)
     if found is not None:
       return found

@@ -37,7 +37,7 @@ from brainnx._engine.outputs import OutSpec
 from brainnx._engine.state import _abstract_tree, finish_call
 from brainnx._engine.structure import Attachments
 
-__all__ = ['Trace', 'TraceKey', 'trace_call']
+__all__ = ['Trace', 'TraceKey', 'trace_call', 'tracing_config']
 
 
 class TraceKey(NamedTuple):
@@ -47,6 +47,15 @@ class TraceKey(NamedTuple):
   call: Hashable  # argument kinds and static values
   states: Hashable  # abstract values of the discovered Variables
   args: Hashable  # abstract values of the dynamic arguments
+  config: Hashable = ()  # the JAX configuration a trace depends on (see ``tracing_config``)
+
+
+def tracing_config() -> tuple:
+  """The JAX settings that change what tracing produces, as ``jax.jit`` keys its cache on them
+  (``jax.enable_x64`` turns ``jnp.array(1.0)`` into float64)."""
+  config = jax.config
+  return (config.jax_enable_x64, config.jax_default_matmul_precision, config.jax_numpy_rank_promotion,
+          config.jax_numpy_dtype_promotion)
 
 
 # -- one trace ---------------------------------------------------------------------

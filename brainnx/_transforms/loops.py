@@ -34,7 +34,7 @@ from brainnx._engine.filters import stacks_exempt
 from brainnx._transforms.progress import ProgressBar, check_pbar, runner_for
 from brainnx._transforms import scan_state
 from brainnx._engine.state import abstract_args, abstract_states, aval_key, finish_call, read_values, write_values
-from brainnx._engine.tracing import Trace, trace_call
+from brainnx._engine.tracing import Trace, trace_call, tracing_config
 from brainnx._engine.errors import BatchAxisError, check_callable
 from brainnx._engine.outputs import Leaf
 from brainnx._engine.caches import LRUCache
@@ -143,7 +143,7 @@ class _Body:
       )
 
   def _trace_for(self, state_avals, dyn_avals) -> Trace:
-    key = (aval_key(state_avals), aval_key(dyn_avals))
+    key = (aval_key(state_avals), aval_key(dyn_avals), tracing_config())
     trace = self._traces.get(key)
     if trace is None:
       trace = trace_call(self.f, self.disc, self.call, state_avals, dyn_avals)
