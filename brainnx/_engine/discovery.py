@@ -45,7 +45,7 @@ from brainnx import _compat
 __all__ = [
   'MISSING', 'Discovery', 'Guard', 'describe', 'discover', 'holds_graph_node', 'is_graph_node', 'is_plain_object',
   'is_reference',
-  'key_name', 'static_key', 'walk_new',
+  'key_name', 'static_key',
 ]
 
 Path = tuple[Hashable, ...]
@@ -460,7 +460,7 @@ def _is_state(x) -> bool:
 class _Walker:
   """Depth-first walk of graph nodes and containers, recording Variables."""
 
-  def __init__(self, known_ids=None, known_slots=None):
+  def __init__(self):
     self.variables, self.paths, self.root_of = [], [], []
     self.nodes = []
     self.streams = []
@@ -474,8 +474,6 @@ class _Walker:
     self._var_ids: dict[int, int] = {}
     self._seen: set[int] = set()
     self._relevant: set[int] = set()
-    self._known = known_ids  # when set: only report Variables not in it
-    self._known_slots = known_slots or set()  # (id(container), key) of known data attributes
 
   def walk(self, obj, path: Path, root: int) -> bool:
     """Walk ``obj``; True when it is or holds a graph node or Variable."""
@@ -510,8 +508,6 @@ class _Walker:
 
   def _data(self, container, key, path, root) -> int:
     """Register the array at ``container[key]`` (a data attribute) as state; its mask code."""
-    if (id(container), key) in self._known_slots:
-      return DATA
     self._record(_compat.DataAttribute(container, key), path, root)
     return DATA
 
@@ -527,9 +523,6 @@ class _Walker:
       i = self._var_ids[id(var)]
       if i >= 0 and root != self.root_of[i]:
         self.aliases.append((i, path, root))
-      return True
-    if self._known is not None and id(var) in self._known:
-      self._var_ids[id(var)] = -1
       return True
     if var.hijax or var.ref:
       raise TypeError(
@@ -782,21 +775,3 @@ def discover(fun: Callable, args: tuple, kwargs: dict) -> Discovery:
     plain=tuple(roots.plain),
     container_paths=tuple(walker.watched_paths),
   )
-
-
-def walk_new(known: Discovery):
-  """Variables (and data-attribute arrays) and Pytree nodes reachable from ``known``'s nodes
-  and containers that it lacks.
-
-  Used after a traced call to find state the function created and attached to existing
-  graph nodes, plain objects, dicts or lists.
-  """
-  slots = {(id(v.container), v.key) for v in known.variables if isinstance(v, _compat.DataAttribute)}
-  walker = _Walker(known_ids={id(v) for v in known.variables}, known_slots=slots)
-  for node in known.nodes:
-    walker.walk(node, (), 0)
-  for i, container in enumerate(known.containers):
-    walker.walk(list(container.values()) if isinstance(container, dict) else list(container), (i,), 0)
-  known_nodes = {id(n) for n in known.nodes}
-  new_nodes = [n for n in walker.nodes if id(n) not in known_nodes]
-  return tuple(walker.variables), tuple(new_nodes)
