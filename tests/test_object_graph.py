@@ -305,3 +305,42 @@ def test_flax_fsdp_example_trains_as_with_nnx_jit():
   got, want = _fsdp_losses(bnx.jit), _fsdp_losses(nnx.jit)
   np.testing.assert_allclose(got, want, rtol=1e-5)
   assert got[-1] < got[0] / 3
+
+
+class Holder(nnx.Module):
+  def __init__(self, scale):
+    self.scale = nnx.Param(jnp.full((2,), scale))
+
+
+def test_vmap_new_states_over_two_holders():
+  def init(holder):
+    holder.state = nnx.BatchStat(holder.scale[...] * 3)
+
+  f = bnx.vmap_new_states(init, in_axes=None, axis_size=2)
+  a, b = Holder(1.0), Holder(2.0)
+  f(a)
+  f(b)
+  assert a.state is not b.state
+  np.testing.assert_array_equal(np.asarray(a.state[...]), np.full((2, 2), 3.0))
+  np.testing.assert_array_equal(np.asarray(b.state[...]), np.full((2, 2), 6.0))
+
+
+class Layer(nnx.Module):
+  def __init__(self, rngs):
+    self.w = nnx.Param(jax.random.normal(rngs.params(), (2,)))
+
+  def __call__(self, x):
+    self.out = nnx.Intermediate(x * self.w[...])
+    return x
+
+
+@pytest.mark.filterwarnings('ignore:.*all members are identical')
+def test_one_for_loop_body_over_two_stacks():
+  stack = bnx.vmap(lambda key: Layer(nnx.Rngs(key)))
+  s1, s2 = stack(jax.random.split(jax.random.key(0), 3)), stack(jax.random.split(jax.random.key(1), 3))
+  body = lambda layer: layer(jnp.ones(2))  # noqa: E731
+  bnx.for_loop(body, s1)
+  bnx.for_loop(body, s2)
+  assert s1.out is not s2.out
+  for s in (s1, s2):  # the oracle: a Python loop over the layers gives out = w per layer
+    np.testing.assert_allclose(np.asarray(s.out[...]), np.asarray(s.w[...]))
