@@ -344,3 +344,36 @@ def test_one_for_loop_body_over_two_stacks():
   assert s1.out is not s2.out
   for s in (s1, s2):  # the oracle: a Python loop over the layers gives out = w per layer
     np.testing.assert_allclose(np.asarray(s.out[...]), np.asarray(s.w[...]))
+
+
+LAZY = None
+
+
+def test_lazy_initialisation_into_a_global_and_a_nonlocal():
+  @bnx.jit
+  def forward(x):
+    global LAZY
+    if LAZY is None:
+      LAZY = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    return LAZY(x)
+
+  out = forward(jnp.ones(2))
+  assert isinstance(LAZY.kernel.get_value(), jax.Array)  # not a ShapeDtypeStruct
+  want = nnx.Linear(2, 2, rngs=nnx.Rngs(0))(jnp.ones(2))  # the oracle: eager Python
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(forward(jnp.ones(2))), np.asarray(want), rtol=1e-6)
+
+  def make():
+    model = None
+
+    @bnx.jit
+    def forward(x):
+      nonlocal model
+      if model is None:
+        model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+      return model(x)
+
+    forward(jnp.ones(2))
+    return model
+
+  assert isinstance(make().kernel.get_value(), jax.Array)

@@ -319,6 +319,7 @@ class Discovery:
   signature: Hashable  # structure + static attributes + captured names, for sharing traces
   plain: tuple = ()  # (source, position in the signature's captured part) of captured plain values
   container_paths: tuple = ()  # per container: the path it was reached at
+  names: tuple = ()  # the captured names the code loads: ('cell', cell, name) or ('global', namespace, name)
 
   def __post_init__(self):
     self._index = {id(v): i for i, v in enumerate(self.variables)}
@@ -364,11 +365,17 @@ class Discovery:
     return changed
 
   def snapshot(self) -> list:
-    """The contents of every container, for :meth:`restore` after a failed call."""
-    return [dict(c) if isinstance(c, dict) else list(c) for c in self.containers]
+    """The contents of every container (and, last, the objects behind the captured names), for
+    :meth:`restore` after a failed call."""
+    return [dict(c) if isinstance(c, dict) else list(c) for c in self.containers] + [
+      tuple(_source_value(source) for source in self.names)
+    ]
 
   def unchanged_since(self, saved: list) -> bool:
-    """Whether every container holds the very entries of :meth:`snapshot`'s ``saved``."""
+    """Whether every container holds the very entries of :meth:`snapshot`'s ``saved``, and every
+    captured name the same object."""
+    if any(_source_value(source) is not obj for source, obj in zip(self.names, saved[-1])):
+      return False
     for container, before in zip(self.containers, saved):
       if len(container) != len(before):
         return False
@@ -401,9 +408,27 @@ class Discovery:
         changes.append((c, key, value))
     return changes
 
+  def rebound_since(self, saved: list) -> list:
+    """``(name index, object)`` of the captured names rebound to state (a graph node, or an
+    object holding one) since :meth:`snapshot`'s ``saved``: lazy initialisation of a global."""
+    return [(k, now) for k, (source, before) in enumerate(zip(self.names, saved[-1]))
+            if (now := _source_value(source)) is not before and holds_graph_node(now)]
+
+  def rebind(self, k: int, obj) -> None:
+    """Bind the ``k``-th captured name to ``obj``."""
+    source = self.names[k]
+    if source[0] == 'cell':
+      source[1].cell_contents = obj
+    else:
+      source[1][source[2]] = obj
+
   def restore(self, saved: list) -> None:
     """Undo the changes made since :meth:`snapshot` that add, replace or remove state (graph
     nodes, arrays); other Python side effects in the same containers stay."""
+    for k, (source, before) in enumerate(zip(self.names, saved[-1])):
+      now = _source_value(source)
+      if now is not before and (holds_graph_node(now) or holds_graph_node(before)) and before is not _MISSING:
+        self.rebind(k, before)
     for container, before in zip(self.containers, saved):
       if isinstance(container, list):
         if _list_changed(container, before):
@@ -716,7 +741,7 @@ class _Roots:
         obj = cell.cell_contents
       except ValueError:
         continue
-      self.cells.append((cell, obj))
+      self.cells.append((cell, obj, name))
       if library:  # a library's closures may wrap user code; only what leads to Variables counts
         self.add(name, RootKind.CLOSURE, obj)
       else:
@@ -770,8 +795,10 @@ def discover(fun: Callable, args: tuple, kwargs: dict) -> Discovery:
     containers=tuple(walker.watched),
     streams=tuple(walker.streams),
     aliases=tuple(walker.aliases),
-    guard=Guard(roots.cells, roots.globals, walker.containers, walker.masks, walker.counted),
+    guard=Guard([c[:2] for c in roots.cells], roots.globals, walker.containers, walker.masks, walker.counted),
     signature=(tuple(walker.signature), tuple(roots.captured)),
     plain=tuple(roots.plain),
     container_paths=tuple(walker.watched_paths),
+    names=tuple(('cell', cell, name) for cell, _, name in roots.cells) + tuple(
+      ('global', ns, name) for ns, name, _ in roots.globals),
   )

@@ -186,7 +186,7 @@ def state_step(fun: Callable, disc: Discovery, call: CallArgs, state_values: Seq
     if _compat.PYTREE_EDITS[0] == edits and disc.unchanged_since(before):
       attachments, new_values = NO_ATTACHMENTS, []  # nothing was attached anywhere
     else:
-      attachments, new_values = graph.attachments(disc.changes_since(before))
+      attachments, new_values = graph.attachments(disc.changes_since(before), disc.rebound_since(before))
   written = {i for i, (a, b) in enumerate(zip(now, state_values)) if a is not b}
   for i, structure, leaves in inside:
     if i not in written and (jax.tree.structure(now[i]) != structure or any(

@@ -108,12 +108,13 @@ class Attachments:
   """
 
   edits: tuple = ()
+  bindings: tuple = ()  # (captured name index, recipe): a global or closure name the call bound
   stand_ins: tuple = ()  # per leaf: a Variable (or DataAttribute) holding shapes
   var_index: tuple = ()  # per leaf: the graph index of its Variable (None: an array attribute)
   defs: tuple = ()  # per leaf: the tree structure of its value
 
   def __bool__(self) -> bool:
-    return bool(self.edits)
+    return bool(self.edits or self.bindings)
 
   def apply(self, disc: Discovery, values: Sequence, index_ref: dict, attach: bool = True) -> list:
     """Build this call's objects (into ``index_ref``) and, with ``attach``, put them in ``disc``'s
@@ -125,6 +126,7 @@ class Attachments:
         built.append((c, None, [_build(r, it, index_ref) for r in recipe]))
       else:
         built.append((c, key, _build(recipe, it, index_ref)))
+    bound = [(k, _build(recipe, it, index_ref)) for k, recipe in self.bindings]
     if attach:
       for c, key, value in built:
         container = disc.containers[c]
@@ -132,6 +134,8 @@ class Attachments:
           container[:] = value
         else:
           _compat.restore_entries(container, {key: value}, MISSING)
+      for k, value in bound:
+        disc.rebind(k, value)
     return [None if k is None else index_ref[k] for k in self.var_index]
 
 
@@ -195,8 +199,9 @@ class GraphSplit:
       return recipe
     return Static(value)
 
-  def attachments(self, changes: Sequence) -> tuple[Attachments, list]:
-    """The recipe of ``disc.changes_since(...)``'s changes and the values of their leaves."""
+  def attachments(self, changes: Sequence, rebound: Sequence = ()) -> tuple[Attachments, list]:
+    """The recipe of ``disc.changes_since(...)``'s changes and ``disc.rebound_since(...)``'s
+    bindings, and the values of their leaves."""
     acc: list = []
     edits = []
     for c, key, value in changes:
@@ -205,9 +210,11 @@ class GraphSplit:
         edits.append((c, None, tuple(self.entry(v, where, acc) for v in value)))
       else:
         edits.append((c, key, self.entry(value, f'{where}[{key!r}]', acc)))
+    bindings = tuple((k, self.entry(obj, f'what the call bound to {self.disc.names[k][2]!r}', acc)) for k, obj in rebound)
     values = [v for vals, _, _ in acc for v in vals]
     return Attachments(
       edits=tuple(edits),
+      bindings=bindings,
       stand_ins=tuple(s for _, ss, _ in acc for s in ss),
       var_index=tuple(k for _, _, ks in acc for k in ks),
       defs=tuple(jax.tree.structure(v) for v in values),
