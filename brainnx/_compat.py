@@ -46,6 +46,7 @@ __all__ = [
   'graph_flatten',
   'graph_unflatten',
   'known_ref_map',
+  'metadata_of',
   'refuse_nnx_flatten',
   'restore_entries',
   'set_node_trace_state',
@@ -145,7 +146,8 @@ def graph_unflatten(graphdef, values: list, index_ref) -> Any:
 # bumps one counter, and a guard compares the Pytree entries only when it moved. Writes
 # that bypass flax (``vars(module)[k] = v``, ``object.__setattr__``) are not counted.
 
-#: ``PYTREE_EDITS[0]``: how many times any flax Pytree's attributes were changed.
+#: ``PYTREE_EDITS[0]``: how many times any flax Pytree's attributes (or a Variable's metadata,
+#: through ``set_metadata``/``del_metadata``) were changed.
 PYTREE_EDITS = [0]
 
 _EDITING_METHODS = ('__setattr__', '__delattr__', '__setstate__', '_graph_node_clear', '_graph_node_init')
@@ -182,6 +184,22 @@ def _count_pytree_edits() -> None:
 
 
 _count_pytree_edits()
+
+
+def _count_metadata_edits() -> None:
+  from flax import nnx
+
+  for name in ('set_metadata', 'del_metadata'):
+    method = nnx.Variable.__dict__[name]
+    if hasattr(method, '__wrapped_for_edits__'):  # installed already (a reload)
+      return
+    setattr(nnx.Variable, name, _counting(method))
+
+
+_count_metadata_edits()
+
+#: ``metadata_of(variable)``: the Variable's live metadata dict (no copy).
+metadata_of = operator.attrgetter('_var_metadata')
 
 
 # -- Variables created during a call -------------------------------------------------

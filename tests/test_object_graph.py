@@ -377,3 +377,17 @@ def test_lazy_initialisation_into_a_global_and_a_nonlocal():
     return model
 
   assert isinstance(make().kernel.get_value(), jax.Array)
+
+
+def test_metadata_set_between_calls_is_seen_as_nnx_jit_sees_it():
+  def run(jitter):
+    m = nnx.Dict(w=nnx.Param(jnp.ones(2), scale=2.0))
+    f = jitter(lambda m, x: x * m['w'].get_metadata()['scale'])
+    first = f(m, jnp.ones(2))
+    m['w'].set_metadata(scale=5.0)
+    return first, f(m, jnp.ones(2))
+
+  (a1, a2), (b1, b2) = run(bnx.jit), run(nnx.jit)
+  np.testing.assert_array_equal(np.asarray(a2), [5.0, 5.0])
+  np.testing.assert_array_equal(np.asarray(a2), np.asarray(b2))
+  np.testing.assert_array_equal(np.asarray(a1), np.asarray(b1))

@@ -180,18 +180,20 @@ class Guard:
   (Variables, Modules, containers holding them) by identity. Data-attribute
   arrays are state, like a Variable's value: not compared at all.
 
-  The attribute dicts of flax Pytrees (Modules, ``nnx.List``, ``Rngs``, ...) are
-  compared only when flax has changed some Pytree's attributes since the last
-  passing check (``_compat.PYTREE_EDITS``); plain objects, dicts and lists, which
+  The attribute dicts of flax Pytrees (Modules, ``nnx.List``, ``Rngs``, ...) and
+  the Variables' metadata (which a function may read: ``v.get_metadata()``) are
+  compared only when flax has changed some Pytree's attributes or Variable's
+  metadata since the last passing check (``_compat.PYTREE_EDITS``); plain objects, dicts and lists, which
   nothing counts, are compared on every call. So a warm call over a deep model
   costs a few identity checks, not one comparison per attribute.
   """
 
-  __slots__ = ('_cells', '_globals', '_all', '_uncounted', '_seen', 'ok')
+  __slots__ = ('_cells', '_globals', '_all', '_uncounted', '_metadata', '_seen', 'ok')
 
-  def __init__(self, cells, globals_, containers, masks, counted):
+  def __init__(self, cells, globals_, containers, masks, counted, metadata=()):
     self._cells = list(cells)  # [cell, object]
     self._globals = list(globals_)  # [namespace, name, object]
+    self._metadata = list(metadata)  # [Variable, a copy of its metadata]
     self._all = _entry_check(containers, masks)
     self._uncounted = _entry_check(
       [c for c, n in zip(containers, counted) if not n], [m for m, n in zip(masks, counted) if not n]
@@ -202,8 +204,9 @@ class Guard:
   def _make_check(self):
     """``ok()`` as a closure over locals: this runs on every warm call (a few names: plain
     loops beat C-level ``map`` here, whose set-up costs more than the comparisons)."""
-    cells, namespaces = self._cells, self._globals
+    cells, namespaces, metadata = self._cells, self._globals, self._metadata
     check_all, check_uncounted, seen, edits = self._all, self._uncounted, self._seen, _compat.PYTREE_EDITS
+    metadata_of = _compat.metadata_of
 
     def ok() -> bool:
       if cells:
@@ -220,6 +223,11 @@ class Guard:
         return check_uncounted is None or check_uncounted()
       mark = edits[0]  # read before the check: an edit during it moves the count past mark
       if check_all is not None and not check_all():
+        return False
+      try:
+        if any(metadata_of(v) != saved for v, saved in metadata):
+          return False
+      except Exception:  # metadata holding arrays: no single truth value
         return False
       seen[0] = mark
       return True
@@ -494,6 +502,7 @@ class _Walker:
     self.counted = []  # per guarded container: a flax Pytree's attributes (edits counted)
     self.watched = []  # every mutable container met
     self.watched_paths = []
+    self.metadata = []  # (Variable, a copy of its metadata), for the guard
     self.masks = []
     self.signature = []
     self._var_ids: dict[int, int] = {}
@@ -556,6 +565,9 @@ class _Walker:
         'with the defaults (hijax=False, ref=False)'
       )
     self._record(var, path, root)
+    metadata = _compat.metadata_of(var)
+    self.metadata.append((var, dict(metadata)))
+    self.signature.append(tuple((k, static_key(v)) for k, v in metadata.items()))
     return True
 
   def _pytree(self, node, path, root) -> bool:
@@ -795,7 +807,8 @@ def discover(fun: Callable, args: tuple, kwargs: dict) -> Discovery:
     containers=tuple(walker.watched),
     streams=tuple(walker.streams),
     aliases=tuple(walker.aliases),
-    guard=Guard([c[:2] for c in roots.cells], roots.globals, walker.containers, walker.masks, walker.counted),
+    guard=Guard([c[:2] for c in roots.cells], roots.globals, walker.containers, walker.masks, walker.counted,
+                walker.metadata),
     signature=(tuple(walker.signature), tuple(roots.captured)),
     plain=tuple(roots.plain),
     container_paths=tuple(walker.watched_paths),
