@@ -391,3 +391,28 @@ def test_metadata_set_between_calls_is_seen_as_nnx_jit_sees_it():
   np.testing.assert_array_equal(np.asarray(a2), [5.0, 5.0])
   np.testing.assert_array_equal(np.asarray(a2), np.asarray(b2))
   np.testing.assert_array_equal(np.asarray(a1), np.asarray(b1))
+
+
+class Trainer:
+  traces = 0
+
+  def __init__(self):
+    self.model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    self.steps = 0
+
+  @bnx.jit
+  def step(self, x):
+    Trainer.traces += 1
+    self.steps += 1  # a Python side effect: it runs when the method is traced, as under jax.jit
+    return self.model(x)
+
+
+def test_a_counter_on_a_plain_object_is_traced_once_like_one_in_a_global():
+  Trainer.traces = 0
+  trainer = Trainer()
+  outs = [trainer.step(jnp.ones(2)) for _ in range(4)]
+  assert (Trainer.traces, trainer.steps) == (1, 1)
+  np.testing.assert_array_equal(np.asarray(outs[-1]), np.asarray(trainer.model(jnp.ones(2))))
+  trainer.steps = 10  # changed from outside: a new signature, as a global changed from outside
+  trainer.step(jnp.ones(2))
+  assert Trainer.traces == 2

@@ -188,7 +188,7 @@ class Guard:
   costs a few identity checks, not one comparison per attribute.
   """
 
-  __slots__ = ('_cells', '_globals', '_all', '_uncounted', '_metadata', '_seen', 'ok')
+  __slots__ = ('_cells', '_globals', '_all', '_uncounted', '_counted', '_metadata', '_seen', 'ok')
 
   def __init__(self, cells, globals_, containers, masks, counted, metadata=()):
     self._cells = list(cells)  # [cell, object]
@@ -198,6 +198,7 @@ class Guard:
     self._uncounted = _entry_check(
       [c for c, n in zip(containers, counted) if not n], [m for m, n in zip(masks, counted) if not n]
     )
+    self._counted = _entry_check([c for c, n in zip(containers, counted) if n], [m for m, n in zip(masks, counted) if n])
     self._seen = [-1]  # the edit count at the last passing full check; -1: none yet
     self.ok = self._make_check()
 
@@ -234,6 +235,16 @@ class Guard:
 
     return ok
 
+  def take_plain_statics(self) -> bool:
+    """Expect the static attributes plain objects, dicts and lists hold now (a trace's own
+    counter, ``self.steps += 1``), if no flax Pytree's attributes changed; whether it did."""
+    if self._counted is not None and not self._counted():
+      return False
+    for check in (self._all, self._uncounted):
+      if check is not None:
+        check.resave()
+    return True
+
   def rebind(self, source: tuple, obj) -> None:
     """Expect ``obj`` behind a captured name from now on: ``source`` is ``('cell', cell)`` or
     ``('global', namespace, name)`` (a plain value the traced call itself rebound)."""
@@ -257,7 +268,7 @@ def _entry_check(containers, masks) -> Callable[[], bool] | None:
   else:  # the common case: the whole list, compared in one C call
     static_at = _whole
   graph_at = _picker([i for i, c in enumerate(codes) if c == GRAPH])
-  static_values, graph_values = static_at(values), graph_at(values)
+  saved, graph_values = [static_at(values)], graph_at(values)
   chain, is_ = _chain, operator.is_
 
   def check() -> bool:
@@ -265,12 +276,19 @@ def _entry_check(containers, masks) -> Callable[[], bool] | None:
     if len(now) != size:
       return False
     try:
-      if static_at(now) != static_values:
+      if static_at(now) != saved[0]:
         return False
     except Exception:  # an array compared with an array: no single truth value
       return False
     return all(map(is_, graph_at(now), graph_values))
 
+  def resave() -> None:
+    """Expect the static entries the containers hold now (their graph entries unchanged)."""
+    now = [*chain(views)]
+    if len(now) == size and all(map(is_, graph_at(now), graph_values)):
+      saved[0] = static_at(now)
+
+  check.resave = resave
   return check
 
 
@@ -327,6 +345,7 @@ class Discovery:
   signature: Hashable  # structure + static attributes + captured names, for sharing traces
   plain: tuple = ()  # (source, position in the signature's captured part) of captured plain values
   container_paths: tuple = ()  # per container: the path it was reached at
+  plain_objects: tuple = ()  # (signature position, attribute dict, its keys, its mask) per plain object
   names: tuple = ()  # the captured names the code loads: ('cell', cell, name) or ('global', namespace, name)
 
   def __post_init__(self):
@@ -350,11 +369,13 @@ class Discovery:
     return describe(self.paths[i], self.variables[i])
 
   def refresh_captured(self) -> bool:
-    """Take in the plain values (no graph node inside) the captured names hold now.
+    """Take in the plain values (no graph node inside) the captured names, and the static
+    attributes of plain objects, hold now.
 
     Called after a traced call: a function that rebinds a captured counter while it is
-    traced (``global n; n += 1``) must not look changed to its next call, which would
-    trace it again; only a value changed from outside does. Returns whether any changed.
+    traced (``global n; n += 1``, ``self.steps += 1`` on a ``Trainer``) must not look changed
+    to its next call, which would trace it again; only a value changed from outside does.
+    Returns whether any changed.
     """
     structure, captured = self.signature
     captured = list(captured)
@@ -368,8 +389,22 @@ class Discovery:
         captured[at] = key
         self.guard.rebind(source, obj)
         changed = True
+    statics_changed = False
+    structure = list(structure)
+    for at, container, keys, mask in self.plain_objects:
+      if tuple(container) != keys:
+        continue
+      path, owner, relevant, statics = structure[at]
+      now = tuple((k, static_key(v)) for (k, v), m in zip(container.items(), mask) if not m)
+      if now != statics:
+        structure[at] = (path, owner, relevant, now)
+        statics_changed = True
+    if statics_changed and self.guard.take_plain_statics():
+      changed = True
+    else:
+      structure = self.signature[0]
     if changed:
-      self.signature = (structure, tuple(captured))
+      self.signature = (tuple(structure), tuple(captured))
     return changed
 
   def snapshot(self) -> list:
@@ -503,6 +538,7 @@ class _Walker:
     self.watched = []  # every mutable container met
     self.watched_paths = []
     self.metadata = []  # (Variable, a copy of its metadata), for the guard
+    self.plain_objects = []
     self.masks = []
     self.signature = []
     self._var_ids: dict[int, int] = {}
@@ -615,6 +651,7 @@ class _Walker:
       self.masks.append(mask)
     if owner is not None:  # a plain object: its other attributes are static, like a Module's
       statics = tuple((k, static_key(v)) for (k, v), m in zip(items, mask) if not m)
+      self.plain_objects.append((len(self.signature), container, tuple(k for k, _ in items), tuple(mask)))
       self.signature.append((path, owner, relevant, statics))
     else:
       self.signature.append((path, type(container), relevant))
@@ -812,6 +849,7 @@ def discover(fun: Callable, args: tuple, kwargs: dict) -> Discovery:
     signature=(tuple(walker.signature), tuple(roots.captured)),
     plain=tuple(roots.plain),
     container_paths=tuple(walker.watched_paths),
+    plain_objects=tuple(walker.plain_objects),
     names=tuple(('cell', cell, name) for cell, _, name in roots.cells) + tuple(
       ('global', ns, name) for ns, name, _ in roots.globals),
   )
