@@ -416,3 +416,20 @@ def test_a_counter_on_a_plain_object_is_traced_once_like_one_in_a_global():
   trainer.steps = 10  # changed from outside: a new signature, as a global changed from outside
   trainer.step(jnp.ones(2))
   assert Trainer.traces == 2
+
+
+def test_a_new_wrapper_each_call_traces_once_as_jax_jit_does():
+  traces = []
+
+  def double(x):
+    traces.append(1)
+    return x * 2
+
+  for _ in range(3):
+    out = bnx.jit(double)(jnp.ones(2))
+  assert len(traces) == 1
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(double)(jnp.ones(2))))
+  function = weakref.ref(double)
+  del double
+  gc.collect()
+  assert function() is None  # the shared cache holds the function weakly

@@ -117,8 +117,9 @@ class _Plan:
   """Everything a warm call needs, for one set of reference arguments."""
 
   def __init__(self, disc: Discovery, call: CallArgs, compiled, on_drop: Callable, donated: tuple = (),
-               layout: tuple = ()):
+               layout: tuple = (), stateful_fun: StatefulFunction | None = None):
     self.disc, self.compiled = disc, compiled
+    self.stateful_fun = stateful_fun  # what the program traces (its jax.jit holds no user function)
     self.layout = layout  # per Variable: the Sharding it keeps (None: free), or () for none
     self.donated = donated  # discovery indices whose buffers the program may reuse
     self.kept = tuple(i for i in range(len(disc.variables)) if i not in set(donated))
@@ -278,6 +279,10 @@ class JittedFunction:
     )
     self.stateful_fun.statics = options.statics
     self._compiled = LRUCache(64)
+    if traced is None:  # wrappers of one function share its traces and programs, as jax.jit's do
+      shared = _shared_caches(fun, options)
+      if shared is not None:
+        self.stateful_fun._cache, self._compiled = shared
     self._plans = LRUCache(16)
     self._warm = _cold
     self._lock = threading.Lock()
@@ -327,7 +332,7 @@ class JittedFunction:
       place(disc, layout)
     donated = self._donated_states(disc, call)
     compiled = self._compiled_for(disc, call, donated, layout)
-    plan = _Plan(disc, call, compiled, _evictor(self, key), donated, layout)
+    plan = _Plan(disc, call, compiled, _evictor(self, key), donated, layout, self.stateful_fun)
     plan.compiled_key = (disc.signature, call.signature, donated, layout)
     self._plans.set(key, plan)
     self._warm = plan.warm
@@ -359,7 +364,7 @@ class JittedFunction:
     n_state = 2 if donated else 1
     shardings = self._shardings(disc, call, donated, layout) if self._options.sharded else {}
     compiled = jax.jit(
-      functools.partial(_body, self.stateful_fun, n_state, self._options.state_shardings),
+      functools.partial(_body, n_state, self._options.state_shardings),
       donate_argnums=(0,) * bool(donated) + _donated_positions(call, self._donate_argnums, n_state),
       **shardings,
       **dict(self._options.jax_kwargs),
@@ -455,6 +460,32 @@ class JittedFunction:
     return functools.partial(self, obj)
 
 
+#: Per user function (held weakly) and options: its traces and compiled programs, shared by every
+#: ``jit`` wrapper of it, so ``bnx.jit(f)(x)`` with a new wrapper each time traces once, as
+#: ``jax.jit(f)(x)`` does. The compiled programs find what to trace through the calling plan,
+#: so nothing here holds the function strongly.
+_SHARED: 'weakref.WeakKeyDictionary' = weakref.WeakKeyDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared_caches(fun, options: JitOptions):
+  """``(traces, compiled programs)`` shared by ``fun``'s wrappers with equal ``options``, or
+  ``None`` where ``fun`` cannot be held weakly or the options are unhashable."""
+  try:
+    hash(options)
+  except TypeError:
+    return None
+  key = options
+  try:
+    with _SHARED_LOCK:
+      per_options = _SHARED.setdefault(fun, {})
+      if key not in per_options:
+        per_options[key] = (LRUCache(128), LRUCache(64))
+      return per_options[key]
+  except TypeError:  # not weakly referenceable, or unhashable
+    return None
+
+
 def _evictor(jitted: JittedFunction, key):
   """A weakref callback dropping the plan ``key`` once one of its reference arguments dies."""
   owner = weakref.ref(jitted)
@@ -533,8 +564,9 @@ def _donated_positions(call: CallArgs, donate_argnums, n_state: int = 1) -> tupl
   return tuple(positions)
 
 
-def _body(sf: StatefulFunction, n_state: int, rules: Rules, *args):
+def _body(n_state: int, rules: Rules, *args):
   plan: _Plan = _CURRENT.plan()
+  sf = plan.stateful_fun
   state, dyn = plan.full_state(args[:n_state]), args[n_state:]
   trace: Trace = sf.trace_for(plan.disc, plan.live_call(), state, dyn)
   written, new, out_leaves = trace.run([state[i] for i in trace.states], jax.tree.leaves(dyn))
