@@ -72,3 +72,23 @@ def test_negative_axis_size_and_pmap_over_too_many_elements_are_named():
   n = jax.local_device_count()
   with pytest.raises(ValueError, match=rf'{n + 1} elements but there are only {n} devices'):
     bnx.pmap(lambda x: x * 2)(jnp.ones(n + 1))
+
+
+def test_pmap_writing_a_broadcast_counter_traces_on_its_first_call_only():
+  count = nnx.Variable(jnp.zeros(()))
+  traces = []
+
+  def step(x):
+    traces.append(1)
+    count[...] += 1
+    return x * 2
+
+  f = bnx.pmap(step)
+  per_call = []
+  for _ in range(4):
+    out = f(jnp.ones((2, 3)))
+    per_call.append(len(traces))
+    traces.clear()
+  assert per_call == [2, 0, 0, 0]  # twice on the first call (documented), then none
+  assert float(count[...]) == 4.0
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.pmap(lambda x: x * 2)(jnp.ones((2, 3)))))

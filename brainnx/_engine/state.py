@@ -240,7 +240,10 @@ def abstract(x) -> jax.ShapeDtypeStruct:
   aval = jax.typeof(x)
   sharding = getattr(aval, 'sharding', None)
   extra = {}
-  if sharding is not None and not sharding.mesh.empty:  # on a mesh (explicit or manual axes): part of the type
+  # on a mesh with explicit or manual axes the sharding is part of the type; on Auto axes only
+  # (jax.pmap's own mesh, a jit's output) it changes nothing a trace produces
+  if sharding is not None and not sharding.mesh.empty and any(
+      t != jax.sharding.AxisType.Auto for t in sharding.mesh.axis_types):
     extra['sharding'] = sharding
   manual = getattr(aval, 'manual_axis_type', None)
   if manual is not None and (manual.varying or manual.unreduced or manual.reduced):  # inside shard_map
