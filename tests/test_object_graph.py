@@ -4,6 +4,7 @@ Each expected value comes from ``nnx.jit``, ``jax.jit`` or eager Python on the
 same program; the guarantees that span transforms are in ``test_conformance.py``.
 """
 
+import dataclasses
 import gc
 import types
 import weakref
@@ -14,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx, struct
+from flax.training import train_state
 
 import brainnx as bnx
 
@@ -104,29 +106,54 @@ def test_registered_dataclass_outputs_are_concrete_and_keep_the_callers_variable
   np.testing.assert_array_equal(np.asarray(new.a[...]), [0.0, 1.0])
 
 
-class TrainState(struct.PyTreeNode):
-  params: dict
-  opt_state: object
-  step: jax.Array
+class Count(nnx.Variable):
+  pass
 
 
-def test_a_train_state_dataclass_step_is_a_drop_in_for_jax_jit():
-  """flax's train-state example, with ``jax.jit`` replaced by ``bnx.jit``."""
-  tx = optax.sgd(0.1)
-  params = {'w': jnp.array([1.0, -2.0])}
+class CountingMLP(nnx.Module):
+  def __init__(self, rngs):
+    self.count = Count(jnp.array(0))
+    self.w1 = nnx.Param(jax.random.uniform(rngs.params(), (1, 16)))
+    self.w2 = nnx.Param(jax.random.uniform(rngs.params(), (16, 1)))
 
-  def step(state, x):
-    loss, grads = jax.value_and_grad(lambda p: ((x @ p['w']) ** 2).mean())(state.params)
-    updates, opt_state = tx.update(grads, state.opt_state)
-    return TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1), loss
+  def __call__(self, x):
+    self.count[...] += 1
+    return jax.nn.relu(x @ self.w1[...]) @ self.w2[...]
 
-  x = jnp.ones((4, 2))
-  got = want = TrainState(params, tx.init(params), jnp.array(0))
-  for _ in range(3):
-    got, _ = bnx.jit(step)(got, x)
-    want, _ = jax.jit(step)(want, x)
-  assert int(got.step) == 3
-  np.testing.assert_allclose(np.asarray(got.params['w']), np.asarray(want.params['w']))
+
+class TrainState(train_state.TrainState):
+  counts: nnx.State
+  graphdef: nnx.GraphDef
+
+
+def _train_state_run(jitter, steps=5):
+  """flax's train-state toy example (nnx.split into a TrainState, jax.jit steps) with ``jitter``."""
+  graphdef, params, counts = nnx.split(CountingMLP(nnx.Rngs(0)), nnx.Param, Count)
+  state = TrainState.create(apply_fn=None, graphdef=graphdef, params=params, tx=optax.sgd(0.1), counts=counts)
+
+  @jitter
+  def train_step(state, x, y):
+    def loss_fn(params):  # copy=True: flax 0.12 refuses writing a Variable made outside jax.grad
+      model = nnx.merge(state.graphdef, params, state.counts, copy=True)
+      return jnp.mean((y - model(x)) ** 2), nnx.state(model, Count)
+
+    grads, counts = jax.grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads, counts=counts)
+
+  x = np.linspace(0, 1, 16, dtype=np.float32)[:, None]
+  for _ in range(steps):
+    state = train_step(state, x, 0.8 * x**2 + 0.1)
+  return state
+
+
+def test_flax_train_state_example_is_a_drop_in_for_jax_jit():
+  got, want = _train_state_run(bnx.jit), _train_state_run(jax.jit)
+  assert int(got.step) == 5
+  for g, w in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
+    assert isinstance(g, jax.Array)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6)
+  model = nnx.merge(got.graphdef, got.params, got.counts)
+  assert int(model.count[...]) == 5
 
 
 class Sows(nnx.Module):
@@ -433,3 +460,27 @@ def test_a_new_wrapper_each_call_traces_once_as_jax_jit_does():
   del double
   gc.collect()
   assert function() is None  # the shared cache holds the function weakly
+
+
+@dataclasses.dataclass(slots=True)
+class Slotted:
+  model: nnx.Module
+  scale: float = 2.0
+
+
+def test_a_slots_dataclass_holding_a_model_is_walked_in_a_closure_and_as_an_argument():
+  box = Slotted(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+  forward = bnx.jit(lambda x: box.model(x) * box.scale)
+  forward(jnp.ones(2))
+  box.model.kernel[...] = jnp.eye(2)  # a write between calls must be seen, not baked in
+  np.testing.assert_allclose(np.asarray(forward(jnp.ones(2))), np.asarray(box.model(jnp.ones(2)) * 2.0))
+  box.model = nnx.Linear(2, 2, rngs=nnx.Rngs(1))  # a rebound slot is seen too
+  np.testing.assert_allclose(np.asarray(forward(jnp.ones(2))), np.asarray(box.model(jnp.ones(2)) * 2.0))
+
+  def step(box, x):
+    box.model.bias[...] += 1.0
+    return box.model(x)
+
+  out = bnx.jit(step)(box, jnp.ones(2))
+  np.testing.assert_allclose(np.asarray(box.model.bias[...]), [1.0, 1.0])
+  np.testing.assert_allclose(np.asarray(out), np.asarray(box.model(jnp.ones(2))))

@@ -92,12 +92,16 @@ def is_graph_node(x: Any) -> bool:
 def _is_plain_type(cls: type) -> bool:
   if cls.__module__.partition('.')[0] in _LIBRARY_PACKAGES:
     return False
-  return '__dict__' in dir(cls) and not issubclass(cls, (nnx.Pytree, nnx.Variable, BaseException))
+  if issubclass(cls, (nnx.Pytree, nnx.Variable, BaseException)):
+    return False
+  return '__dict__' in dir(cls) or bool(_compat.slot_names(cls))
 
 
 def is_plain_object(x: Any) -> bool:
-  """A user object whose attributes (``vars()``) brainnx walks: not a graph node, type or function."""
-  return not isinstance(x, _ATOMS) and _is_plain_type(type(x)) and hasattr(x, '__dict__')
+  """A user object whose attributes (``vars()``, or its ``__slots__``) brainnx walks: not a
+  graph node, type or function."""
+  return not isinstance(x, _ATOMS) and _is_plain_type(type(x)) and (
+    hasattr(x, '__dict__') or bool(_compat.slot_names(type(x))))
 
 
 def holds_graph_node(x: Any, _seen=None) -> bool:
