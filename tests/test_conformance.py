@@ -835,3 +835,32 @@ def test_returned_structure_is_what_nnx_jit_returns(name):
   if name != 'eval_shape':
     np.testing.assert_allclose(np.asarray(got[3].value), np.asarray(want[3].value))
     np.testing.assert_array_equal(np.asarray(got[0].kernel[...]), np.asarray(want[0].kernel[...]))
+
+
+def _returns_inputs(model):
+  return lambda x: (model, nnx.variables(model, nnx.Param), [model.kernel], _Box(model.bias, x * 2))
+
+
+RETURNS_INPUTS = {
+  'jit': lambda f: bnx.jit(f)(X),
+  'vmap': lambda f: bnx.vmap(f, in_axes=0, out_axes=0)(twice(X)),
+  'cond': lambda f: bnx.cond(True, f, f, X),
+  'switch': lambda f: bnx.switch(0, [f, f], X),
+  'ifelse': lambda f: bnx.ifelse([True, False], [f, f], X),
+  'remat': lambda f: bnx.remat(f)(X),
+  'eval_shape': lambda f: bnx.eval_shape(f, X),
+}
+
+
+@pytest.mark.parametrize('name', list(RETURNS_INPUTS))
+def test_returned_inputs_keep_their_identity_and_sharing_as_in_nnx_jit(name):
+  assert set(RETURNS_INPUTS) == set(RETURNS_OUTPUT)
+  model = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+  want = nnx.jit(lambda m, x: _returns_inputs(m)(x))(model, X)
+  got = RETURNS_INPUTS[name](_returns_inputs(model))
+  for out in (want, got):
+    m, params, kernels, box = out
+    assert m is model and params['kernel'] is model.kernel and kernels[0] is model.kernel
+    assert box.var is model.bias and not isinstance(box.value, jax.core.Tracer)
+  if name not in ('eval_shape', 'vmap'):
+    np.testing.assert_array_equal(np.asarray(got[3].value), np.asarray(want[3].value))

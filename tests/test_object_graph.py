@@ -233,15 +233,40 @@ def test_a_key_set_inside_a_dict_value_is_a_write():
   assert set(v.get_value()) == set(want.get_value()) == {'k'}
 
 
-def test_nnx_capture_around_jit_and_vmap():
-  m = Sows()
-  _, got = nnx.capture(bnx.jit(lambda m, x: m(x)), nnx.Intermediate)(m, jnp.ones(2))
-  _, want = nnx.capture(lambda m, x: m(x), nnx.Intermediate)(Sows(), jnp.ones(2))
+MESH1 = jax.make_mesh((1,), ('d',), devices=jax.devices()[:1])
+CAPTURED = {
+  'jit': lambda f: bnx.jit(f),
+  'remat': lambda f: bnx.remat(f),
+  'grad': lambda f: (lambda m, x: (bnx.grad(lambda m, x: f(m, x).sum(), argnums=1)(m, x), None)[1]),
+  'cond': lambda f: (lambda m, x: bnx.cond(True, f, f, m, x)),
+  'switch': lambda f: (lambda m, x: bnx.switch(1, [f, f], m, x)),
+  'shard_map': lambda f: (lambda m, x: bnx.shard_map(
+    f, mesh=MESH1, in_specs=(None, jax.sharding.PartitionSpec()), out_specs=jax.sharding.PartitionSpec())(m, x)),
+}
+
+
+@pytest.mark.filterwarnings('ignore:.*sow')
+@pytest.mark.parametrize('name', list(CAPTURED))
+def test_nnx_capture_around_a_transform(name):
+  _, want = nnx.capture(lambda m, x: m(x), nnx.Intermediate)(Sows(), jnp.ones(2))  # the oracle: eager
+  _, got = nnx.capture(CAPTURED[name](lambda m, x: m(x)), nnx.Intermediate)(Sows(), jnp.ones(2))
   assert jax.tree.structure(got) == jax.tree.structure(want)
-  np.testing.assert_array_equal(np.asarray(jax.tree.leaves(got)[0]), np.asarray(jax.tree.leaves(want)[0]))
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.filterwarnings('ignore:.*sow')
+def test_nnx_capture_around_vmap_takes_the_batch_axis_state_out_axes_gives():
   batched = bnx.vmap(lambda m, x: m(x), in_axes=(None, 0), state_out_axes={0: nnx.Intermediate})
-  _, per_element = nnx.capture(batched, nnx.Intermediate)(Sows(), jnp.ones((3, 2)))
-  assert [x.shape for x in jax.tree.leaves(per_element)] == [(3, 2)]
+  _, per_element = nnx.capture(batched, nnx.Intermediate)(Sows(), jnp.arange(6.0).reshape(3, 2))
+  np.testing.assert_array_equal(np.asarray(jax.tree.leaves(per_element)[0]), np.arange(6.0).reshape(3, 2))
+
+
+@pytest.mark.filterwarnings('ignore:.*sow')
+def test_nnx_capture_around_a_loop_is_refused_naming_the_buffer():
+  looped = lambda m, x: bnx.for_loop(lambda y: m(y), jnp.stack([x, x]))  # noqa: E731
+  with pytest.raises(ValueError, match=r"for_loop: Intermediate at \('m', '__captures__', 0\) changes its value"):
+    nnx.capture(looped, nnx.Intermediate)(Sows(), jnp.ones(2))
 
 
 def test_a_module_attached_inside_dies_with_its_holder():

@@ -166,6 +166,24 @@ def _label(name: str, k: int) -> str:
   return ('false_fun', 'true_fun')[k] if name == 'cond' else f'branch {k}'
 
 
+def _restructured(bodies: list, written: list) -> frozenset:
+  """Written Variables whose value every branch gives one new structure (a ``sow`` into
+  ``nnx.capture``'s buffer in each branch): the construct's output takes that structure, as a
+  ``lax.cond`` output may differ from its operands."""
+  out = set()
+  for i in written:
+    defs = []
+    for b in bodies:
+      trace = b.trace
+      if i not in trace.written:
+        break
+      defs.append(dict(zip(trace.written, trace.out_defs))[i])
+    else:
+      if all(d == defs[0] for d in defs) and defs[0] != jax.tree.structure(bodies[0].values[i]):
+        out.add(i)
+  return frozenset(out)
+
+
 def _switch_impl(*args):
   """``args``: the ``n`` branches, the index, the operands, then the construct's name and ``n``."""
   name, n = args[-2:]
@@ -181,6 +199,9 @@ def _switch_impl(*args):
         'every branch must return the same structure, shapes and dtypes'
       )
   written = sorted({i for b in bodies for i in b.written})
+  restructured = _restructured(bodies, written)
+  for b in bodies:
+    b.restructured = restructured
   start = [jax.tree.map(_strong, bodies[0].values[i]) for i in written]
   dyn_leaves = _dyn_leaves(operands)
 

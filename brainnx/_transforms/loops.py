@@ -124,6 +124,7 @@ class _Body:
     self.sliced = tuple(sliced)  # Variables stacked on axis 0 that each step sees one slice of
     self.fixed = tuple(fixed)  # Variables every step sees at their pre-loop value (broadcast)
     self.per_step = self.sliced + self.fixed  # given to each step, not carried: see run_step
+    self.restructured = frozenset()  # written Variables whose value may change structure (every branch agrees)
     self._dyn_def = jax.tree.structure(list(self.call.dyn))
     self._traces = LRUCache(32)  # the trace cache StatefulFunction and jit use, per abstract signature
     self.contents = self.disc.snapshot()
@@ -176,7 +177,8 @@ class _Body:
     outs, created, out_leaves = trace.run([states[i] for i in trace.states], dyn_leaves)
     self.last_trace = trace
     new = dict(zip(trace.written, outs))
-    carried_out = [self._keep_type(new[i], c, i) for c, i in zip(carried, self.written)]
+    carried_out = [new[i] if i in self.restructured else self._keep_type(new[i], c, i)
+                   for c, i in zip(carried, self.written)]
     slices_out = [self._keep_type(new[i], s, i) if i in new else s for s, i in zip(slices, self.per_step)]
     return carried_out, out_leaves, slices_out, created
 
