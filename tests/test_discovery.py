@@ -36,7 +36,7 @@ def paths(disc):
 def test_positional_and_keyword_arguments():
   a, b = nnx.Param(jnp.ones(2)), nnx.BatchStat(jnp.zeros(2))
   disc = discover(lambda x, y: None, (a,), {'y': b})
-  assert disc.variables == (a, b)
+  assert tuple(disc.variables) == (a, b)
   assert paths(disc) == [(0,), ('y',)]
 
 
@@ -89,7 +89,7 @@ def test_shared_variable_is_one_variable():
   shared = nnx.Param(jnp.ones(2))
   first, second = nnx.Dict(w=shared), nnx.Dict(w=shared)
   disc = discover(lambda a, b: None, (first, second), {})
-  assert disc.variables == (shared,)
+  assert tuple(disc.variables) == (shared,)
   assert paths(disc) == [(0, 'w')]
 
 

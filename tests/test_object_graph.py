@@ -509,3 +509,18 @@ def test_a_slots_dataclass_holding_a_model_is_walked_in_a_closure_and_as_an_argu
   out = bnx.jit(step)(box, jnp.ones(2))
   np.testing.assert_allclose(np.asarray(box.model.bias[...]), [1.0, 1.0])
   np.testing.assert_allclose(np.asarray(out), np.asarray(box.model(jnp.ones(2))))
+
+
+def test_an_attribute_replaced_on_every_call_holds_each_calls_value():
+  m = Records()
+  f = bnx.jit(lambda m, x: m(x))
+  seen = []
+  for k in range(4):
+    f(m, jnp.full(2, float(k)))
+    seen.append(m.y)
+    np.testing.assert_array_equal(np.asarray(m.y[...]), [float(k)] * 2)
+  assert len({id(v) for v in seen}) == 4  # a fresh Intermediate per call, as nnx.jit gives
+  np.testing.assert_array_equal(np.asarray(seen[1][...]), [1.0, 1.0])  # earlier ones keep their values
+  m.w[...] = jnp.full(2, 3.0)  # the followed plan still sees writes from outside
+  f(m, jnp.ones(2))
+  np.testing.assert_array_equal(np.asarray(m.y[...]), [3.0, 3.0])

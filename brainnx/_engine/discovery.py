@@ -249,6 +249,16 @@ class Guard:
         check.resave()
     return True
 
+  def follow(self, replaced: list) -> None:
+    """Expect the containers as they are now, with ``(old, new)`` Variables swapped (see
+    :meth:`Discovery.follow`)."""
+    for check in (self._all, self._uncounted, self._counted):
+      if check is not None:
+        check.resave(graph=True)
+    swap = {id(old): new for old, new in replaced}
+    self._metadata[:] = [(swap[id(v)], dict(_compat.metadata_of(swap[id(v)]))) if id(v) in swap else (v, m)
+                         for v, m in self._metadata]
+
   def rebind(self, source: tuple, obj) -> None:
     """Expect ``obj`` behind a captured name from now on: ``source`` is ``('cell', cell)`` or
     ``('global', namespace, name)`` (a plain value the traced call itself rebound)."""
@@ -272,7 +282,7 @@ def _entry_check(containers, masks) -> Callable[[], bool] | None:
   else:  # the common case: the whole list, compared in one C call
     static_at = _whole
   graph_at = _picker([i for i, c in enumerate(codes) if c == GRAPH])
-  saved, graph_values = [static_at(values)], graph_at(values)
+  saved = [static_at(values), graph_at(values)]
   chain, is_ = _chain, operator.is_
 
   def check() -> bool:
@@ -284,13 +294,14 @@ def _entry_check(containers, masks) -> Callable[[], bool] | None:
         return False
     except Exception:  # an array compared with an array: no single truth value
       return False
-    return all(map(is_, graph_at(now), graph_values))
+    return all(map(is_, graph_at(now), saved[1]))
 
-  def resave() -> None:
-    """Expect the static entries the containers hold now (their graph entries unchanged)."""
+  def resave(graph: bool = False) -> None:
+    """Expect the static entries the containers hold now (and, with ``graph``, their graph
+    entries; else only if those are unchanged)."""
     now = [*chain(views)]
-    if len(now) == size and all(map(is_, graph_at(now), graph_values)):
-      saved[0] = static_at(now)
+    if len(now) == size and (graph or all(map(is_, graph_at(now), saved[1]))):
+      saved[:] = [static_at(now), graph_at(now)]
 
   check.resave = resave
   return check
@@ -337,7 +348,7 @@ class Discovery:
   them, and a failed call has its changes to them rolled back.
   """
 
-  variables: tuple[nnx.Variable, ...]
+  variables: list  # nnx.Variables (and DataAttributes); a list: :meth:`follow` swaps entries in place
   paths: tuple[Path, ...]
   root_of: tuple[int, ...]  # per variable, index into ``roots``
   roots: tuple[Root, ...]
@@ -430,6 +441,26 @@ class Discovery:
       if not all(map(operator.is_, now, then)):
         return False
     return True
+
+  def follow(self, replaced: list) -> None:
+    """Take in ``(index, new Variable)`` pairs a call put where known Variables of the same type
+    and metadata were (``self.h = nnx.Intermediate(x)`` on every call), so the next call finds
+    its plan instead of discovering the graph again; anything else that changed leaves the
+    guard to see it."""
+    try:
+      if any(type(new) is not type(self.variables[i]) or
+             _compat.metadata_of(new) != _compat.metadata_of(self.variables[i]) for i, new in replaced):
+        return
+    except Exception:  # metadata holding arrays: no single truth value
+      return
+    pairs = []
+    for i, new in replaced:
+      old = self.variables[i]
+      pairs.append((old, new))
+      del self._index[id(old)]
+      self.variables[i] = new
+      self._index[id(new)] = i
+    self.guard.follow(pairs)
 
   def container_name(self, c: int) -> str:
     """How messages name the ``c``-th container (by the path it was reached at)."""
@@ -840,7 +871,7 @@ def discover(fun: Callable, args: tuple, kwargs: dict) -> Discovery:
     walker.walk(a, (k,), len(roots.roots) - 1)
   roots.explore(fun)
   return Discovery(
-    variables=tuple(walker.variables),
+    variables=list(walker.variables),
     paths=tuple(walker.paths),
     root_of=tuple(walker.root_of),
     roots=tuple(roots.roots),

@@ -128,14 +128,24 @@ class Attachments:
         built.append((c, key, _build(recipe, it, index_ref)))
     bound = [(k, _build(recipe, it, index_ref)) for k, recipe in self.bindings]
     if attach:
+      replaced = [] if not bound else None  # known Variables replaced in place, one for one
       for c, key, value in built:
         container = disc.containers[c]
         if key is None:
           container[:] = value
-        else:
-          _compat.restore_entries(container, {key: value}, MISSING)
+          replaced = None
+          continue
+        old = container.get(key, MISSING)
+        i = disc.index_of(old) if isinstance(old, nnx.Variable) and isinstance(value, nnx.Variable) else None
+        if i is None:  # an entry added, or something other than a Variable replaced
+          replaced = None
+        elif replaced is not None:
+          replaced.append((i, value))
+        _compat.restore_entries(container, {key: value}, MISSING)
       for k, value in bound:
         disc.rebind(k, value)
+      if replaced:
+        disc.follow(replaced)
     return [None if k is None else index_ref[k] for k in self.var_index]
 
 
