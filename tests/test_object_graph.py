@@ -86,6 +86,12 @@ def test_an_unregistered_object_holding_a_model_or_a_tracer_is_refused_as_jax_ji
 
   with pytest.raises(TypeError, match='returns a Holder holding arrays'):
     bnx.jit(f)(jnp.ones(2))
+  with pytest.raises(TypeError, match='returns a Holder holding arrays'):
+    bnx.vmap(f)(jnp.ones((2, 2)))
+  with pytest.raises(TypeError, match='returns a Holder holding arrays'):
+    bnx.scan(lambda c, x: (c, f(x)), 0.0, jnp.ones((2, 2)))
+  with pytest.raises(TypeError, match='returns a Holder holding arrays'):
+    bnx.for_loop(f, jnp.ones((2, 2)))
   with pytest.raises(TypeError, match='not a valid JAX type'):  # the oracle
     jax.jit(f)(jnp.ones(2))
 
@@ -104,6 +110,9 @@ def test_registered_dataclass_outputs_are_concrete_and_keep_the_callers_variable
   new = bnx.jit(lambda x: Box(nnx.Param(x), x))(jnp.arange(2.0))
   assert isinstance(new.a, nnx.Param) and isinstance(new.a.get_value(), jax.Array)
   np.testing.assert_array_equal(np.asarray(new.a[...]), [0.0, 1.0])
+  module = bnx.jit(lambda x: Box(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), x))(jnp.ones(2)).a
+  want = nnx.jit(lambda x: Box(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), x))(jnp.ones(2)).a
+  np.testing.assert_array_equal(np.asarray(module.kernel[...]), np.asarray(want.kernel[...]))
 
 
 class Count(nnx.Variable):
@@ -210,6 +219,7 @@ def test_make_jaxpr_before_the_call_then_the_call_attaches():
   m = Records()
   sf = bnx.StatefulFunction(m)
   sf.make_jaxpr(jnp.ones(2))
+  sf.get_states(jnp.ones(2))
   assert not hasattr(m, 'y')
   sf(jnp.full(2, 2.0))
   np.testing.assert_array_equal(np.asarray(m.y[...]), [2.0, 2.0])
