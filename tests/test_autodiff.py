@@ -153,3 +153,12 @@ def test_derivative_errors_name_the_transform_called(name):
     getattr(bnx, name)(lambda x: jnp.sum(x ** 2), argnums=3)(jnp.ones(2))
   with pytest.raises(ValueError, match=f'^{name}: grad_states=.* matches none'):
     getattr(bnx, name)(lambda x: jnp.sum(x ** 2), grad_states=nnx.BatchStat)(jnp.ones(2))
+
+
+def test_hessian_over_several_variables_gives_each_its_own_block():
+  a, b = nnx.Param(jnp.array([1.0, 2.0])), nnx.Param(jnp.array([3.0, 0.5, 1.0]))
+  got = bnx.hessian(lambda: (a[...] ** 3).sum() * (b[...] ** 2).sum(), grad_states=[a, b])()
+  want = jax.hessian(lambda p: (p[0] ** 3).sum() * (p[1] ** 2).sum())((a[...], b[...]))
+  assert [g.shape for g in got] == [(2, 2), (3, 3)]
+  np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0][0]), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1][1]), rtol=1e-6)

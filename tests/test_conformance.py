@@ -142,11 +142,19 @@ def make(name, f):
 
 def assert_matches(name, got, f, x):
   want = TRANSFORMS[name][1](f, x)
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+  assert jax.tree.structure(got) == jax.tree.structure(want), f'{name}: {jax.tree.structure(got)} is not {jax.tree.structure(want)}'
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     if isinstance(w, jax.ShapeDtypeStruct):
       assert (g.shape, g.dtype) == (w.shape, w.dtype)
     else:
       np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+
+
+def test_assert_matches_fails_on_a_missing_or_extra_output():
+  for got in (None, (), (X, X)):
+    with pytest.raises(AssertionError, match='jit: '):
+      assert_matches('jit', got, lambda x: x * 2, X)
+  assert_matches('jit', X * 2, lambda x: x * 2, X)
 
 
 # -- one Python trace per abstract signature ----------------------------------------
@@ -621,7 +629,8 @@ def test_decorates_a_method(name):
     'jacrev': lambda: jax.jacrev(plain)(x), 'jacfwd': lambda: jax.jacfwd(plain)(x),
     'hessian': lambda: jax.hessian(plain)(x),
   }.get(name, lambda: plain(x))()
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6)
 
 

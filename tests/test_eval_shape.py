@@ -38,3 +38,17 @@ def test_modules_created_inside_are_abstract_like_nnx_eval_shape():
   assert isinstance(ours.l1.kernel.get_value(), jax.ShapeDtypeStruct)
   assert int(rngs.default.count[...]) == 0  # the draws were undone
   np.testing.assert_array_equal(MLP(3, 4, 2, rngs=rngs).l1.kernel[...], MLP(3, 4, 2, rngs=nnx.Rngs(0)).l1.kernel[...])
+
+
+def test_results_are_shape_dtype_structs_as_jax_eval_shape_gives():
+  count = nnx.Variable(jnp.zeros(()))
+
+  def f(x):
+    count[...] += 1
+    return {'y': x * 2, 'n': x.sum().astype(jnp.int32)}
+
+  got, want = bnx.eval_shape(f, jnp.ones(3)), jax.eval_shape(lambda x: {'y': x * 2, 'n': x.sum().astype(jnp.int32)}, jnp.ones(3))
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert type(g) is jax.ShapeDtypeStruct and (g.shape, g.dtype) == (w.shape, w.dtype)
+  assert float(count[...]) == 0.0  # nothing ran

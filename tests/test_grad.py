@@ -195,3 +195,19 @@ def test_grad_negative_and_repeated_argnums_as_jax_grad():
   jax.tree.map(np.testing.assert_allclose, got, ref)
   with pytest.raises(ValueError, match=r'grad: argnums=\(0, -2\) names argument\(s\) \[0\] more than once'):
     bnx.grad(f, argnums=(0, -2))(x, y)
+
+
+def test_grad_states_a_module_differentiates_its_params_only_as_nnx_grad():
+  class Scaled(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(jnp.array([1.0, 2.0]))
+      self.stat = nnx.BatchStat(jnp.array([3.0, 4.0]))
+
+    def __call__(self, x):
+      return (x * self.w[...] * self.stat[...]).sum()
+
+  model = Scaled()
+  got = bnx.grad(lambda x: model(x), grad_states=model)(jnp.ones(2))
+  want = nnx.grad(lambda m, x: m(x))(model, jnp.ones(2))
+  assert jax.tree.structure(jax.tree.map(np.asarray, got)) == jax.tree.structure(jax.tree.map(np.asarray, want))
+  np.testing.assert_array_equal(np.asarray(jax.tree.leaves(got)[0]), np.asarray(want['w'][...]))

@@ -226,3 +226,21 @@ def test_jaxpr_call_wrong_count():
   with pytest.raises(ValueError, match=r'expected 1 state values \(one per get_states\(\) entry\), got 2'):
     sf.jaxpr_call([jnp.ones(3), jnp.ones(3)], x)
 
+
+
+def test_a_full_cache_keeps_the_newest_trace_and_drops_the_oldest():
+  traces = []
+
+  def f(x):
+    traces.append(x.shape)
+    return x + 1
+
+  sf = bnx.StatefulFunction(f, cache_size=2)
+  for n in (1, 2, 3):  # the third evicts the first
+    sf(jnp.ones(n))
+  assert len(traces) == 3
+  sf(jnp.ones(3))  # the newest is kept: no trace
+  sf(jnp.ones(2))
+  assert len(traces) == 3
+  sf(jnp.ones(1))  # the oldest was dropped: traced again
+  assert traces[-1] == (1,) and len(traces) == 4

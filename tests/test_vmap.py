@@ -634,3 +634,42 @@ def test_vmap_new_states_honours_state_out_axes_and_side_effect_boxes():
   assert isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
   np.testing.assert_array_equal(value, jnp.moveaxis(jax.vmap(lambda x: x * 2)(xs), 0, 1))
 
+
+
+def _planes(x):
+  return x[:, None] * jnp.arange(1.0, 4.0)  # (4,) -> (4, 3)
+
+
+@pytest.mark.parametrize('axis', [2, -1])
+def test_out_axes_past_the_first_two_place_the_batch_axis_as_jax_vmap(axis):
+  xs = jnp.arange(20.0).reshape(5, 4)
+  f = lambda x: _planes(x)[None] * jnp.ones((2, 1, 1))  # noqa: E731 - (2, 4, 3) per element
+  got, want = bnx.vmap(f, out_axes=axis)(xs), jax.vmap(f, out_axes=axis)(xs)
+  assert got.shape == want.shape == ((2, 4, 5, 3) if axis == 2 else (2, 4, 3, 5))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_state_out_axes_two_places_a_written_variable_as_jax_vmap_out_axes():
+  v = nnx.Variable(jnp.zeros((4, 3)))
+
+  def write(x):
+    v[...] = _planes(x)
+    return x
+
+  xs = jnp.arange(20.0).reshape(5, 4)
+  bnx.vmap(write, state_out_axes={2: nnx.Variable})(xs)
+  want = jax.vmap(_planes, out_axes=2)(xs)
+  assert v[...].shape == want.shape == (4, 3, 5)
+  np.testing.assert_array_equal(np.asarray(v[...]), np.asarray(want))
+
+
+def test_a_module_passed_by_keyword_is_mapped_on_axis_0():
+  class Scales(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(jnp.arange(6.0).reshape(3, 2))
+
+  model = Scales()
+  xs = jnp.ones((3, 2)) * 2
+  got = bnx.vmap(lambda x, model: x * model.w[...])(xs, model=model)
+  want = np.stack([np.asarray(xs[k] * model.w[...][k]) for k in range(3)])  # a Python loop per member
+  np.testing.assert_array_equal(np.asarray(got), want)

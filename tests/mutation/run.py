@@ -1,0 +1,173 @@
+"""A mutation run: put one plausible bug into brainnx at a time and see whether the tests notice.
+
+Run from the repository root (not part of ``pytest``'s default run)::
+
+    python tests/mutation/run.py                 # every mutant against its targeted tests
+    python tests/mutation/run.py --only place    # mutants whose name contains 'place'
+    python tests/mutation/run.py --full          # survivors then against the whole suite
+
+Each mutant is a small textual patch to one function (``old`` must occur exactly once in
+``file``) and the tests that should catch it. The run copies the repository to a scratch
+directory per mutant, applies the patch there, runs the targeted tests, and prints the kill
+rate and the survivors. A survivor is a test to write, or an equivalent mutant to explain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+  name: str
+  file: str
+  old: str
+  new: str
+  tests: tuple[str, ...]
+
+
+MUTANTS = [
+  # the eight survivors of the first measured run, each now with a test
+  Mutant('vmap places the batch axis the wrong way', 'brainnx/_transforms/vmap.py',
+         'return jax.tree.map(lambda x: jnp.moveaxis(x, 0, axis), value)',
+         'return jax.tree.map(lambda x: jnp.moveaxis(x, axis, 0), value)',
+         ('tests/test_vmap.py',)),
+  Mutant('vmap broadcasts a Module passed by keyword', 'brainnx/_transforms/vmap.py',
+         "return False, 0, f'keyword argument {root.name!r}'",
+         "return False, None, f'keyword argument {root.name!r}'",
+         ('tests/test_vmap.py',)),
+  Mutant('eval_shape returns zero arrays', 'brainnx/_engine/stateful_function.py',
+         'return trace.out_shapes(disc)',
+         'return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), trace.out_shapes(disc))',
+         ('tests/test_eval_shape.py',)),
+  Mutant('grad_states=module differentiates every Variable', 'brainnx/_transforms/grad.py',
+         'flat = list(nnx.to_flat_state(nnx.state(node, nnx.Param)))',
+         'flat = list(nnx.to_flat_state(nnx.state(node)))',
+         ('tests/test_grad.py',)),
+  Mutant('hessian gives the cross block with the first', 'brainnx/_transforms/autodiff.py',
+         'blocks = tuple([h[g][k][g][k] for k in range(len(args[g]))] for g in range(len(argnums)))',
+         'blocks = tuple([h[g][k][g][0] for k in range(len(args[g]))] for g in range(len(argnums)))',
+         ('tests/test_autodiff.py',)),
+  Mutant('a full trace cache evicts the newest entry', 'brainnx/_engine/caches.py',
+         '      self._data[key] = value\n      self._data.move_to_end(key)\n      while len(self._data) > self.maxsize:\n        self._data.popitem(last=False)',
+         '      self._data[key] = value\n      self._data.move_to_end(key)\n      while len(self._data) > self.maxsize:\n        self._data.popitem(last=True)',
+         ('tests/test_tracing.py',)),
+  # a call's object graph
+  Mutant('attachments are not attached', 'brainnx/_engine/structure.py',
+         '        _compat.restore_entries(container, {key: value}, MISSING)',
+         '        pass',
+         ('tests/test_object_graph.py', 'tests/test_conformance.py')),
+  Mutant('outputs merged without the shared references', 'brainnx/_engine/state.py',
+         'return out_spec.rebuild(out_leaves, disc, index_ref), attached',
+         'return out_spec.rebuild(out_leaves, disc, None), attached',
+         ('tests/test_object_graph.py',)),
+  Mutant('known objects are not references when splitting', 'brainnx/_compat.py',
+         '    ref_map[object() if obj is None else obj] = k',
+         '    ref_map[object()] = k',
+         ('tests/test_object_graph.py',)),
+  Mutant('a dict-valued write in place is not a write', 'brainnx/_engine/state.py',
+         '      written.add(i)\n  return StepResult',
+         '      pass\n  return StepResult',
+         ('tests/test_object_graph.py',)),
+  Mutant('the trace keeps what it attached', 'brainnx/_engine/state.py',
+         '    finally:\n      disc.restore(contents)',
+         '    finally:\n      pass',
+         ('tests/test_object_graph.py',)),
+  Mutant('a lazily bound global is not rebound', 'brainnx/_engine/structure.py',
+         '        disc.rebind(k, value)',
+         '        pass',
+         ('tests/test_object_graph.py',)),
+  Mutant('metadata is not guarded', 'brainnx/_engine/discovery.py',
+         '        if any(metadata_of(v) != saved for v, saved in metadata):',
+         '        if False:',
+         ('tests/test_object_graph.py',)),
+  Mutant('x64 is not in the trace key', 'brainnx/_engine/tracing.py',
+         '  return (config.jax_enable_x64, config.jax_default_matmul_precision,',
+         '  return (None, config.jax_default_matmul_precision,',
+         ('tests/test_object_graph.py',)),
+  Mutant('wrappers do not share their caches', 'brainnx/_engine/jitted.py',
+         '      shared = _shared_caches(fun, options)',
+         '      shared = None',
+         ('tests/test_object_graph.py',)),
+  Mutant('a followed replacement leaves the old Variable in the discovery', 'brainnx/_engine/discovery.py',
+         '      self.variables[i] = new\n',
+         '',
+         ('tests/test_object_graph.py',)),
+  Mutant('opaque outputs holding tracers are returned', 'brainnx/_engine/outputs.py',
+         '      if _opaque(x) and (holds_graph_node(x) or _holds_traced(x)):',
+         '      if False:',
+         ('tests/test_object_graph.py',)),
+  Mutant('registered dataclass outputs are opaque', 'brainnx/_engine/outputs.py',
+         '  return len(children) == 1 and children[0] is x',
+         '  return True',
+         ('tests/test_object_graph.py',)),
+  Mutant('branches may not restructure a write', 'brainnx/_transforms/control.py',
+         '    b.restructured = restructured',
+         '    b.restructured = frozenset()',
+         ('tests/test_object_graph.py',)),
+]
+
+
+def _scratch_copy(dest: Path) -> None:
+  ignore = shutil.ignore_patterns('.git', '__pycache__', '*.egg-info', '_build', '.ipynb_checkpoints')
+  for name in ('brainnx', 'tests', 'notebooks', 'benchmarks', 'docs'):
+    if (ROOT / name).exists():
+      shutil.copytree(ROOT / name, dest / name, ignore=ignore)
+  for name in ('pyproject.toml', 'README.md', 'CHANGELOG.md', 'LICENSE'):
+    if (ROOT / name).exists():
+      shutil.copy(ROOT / name, dest / name)
+
+
+def run_mutant(mutant: Mutant, tests: tuple[str, ...], timeout: int) -> bool:
+  """Whether the tests kill ``mutant`` (fail with it in place)."""
+  with tempfile.TemporaryDirectory(prefix='brainnx-mutant-') as scratch:
+    dest = Path(scratch)
+    _scratch_copy(dest)
+    path = dest / mutant.file
+    text = path.read_text()
+    if text.count(mutant.old) != 1:
+      raise SystemExit(f'{mutant.name}: the patch does not apply once to {mutant.file} (found {text.count(mutant.old)})')
+    path.write_text(text.replace(mutant.old, mutant.new))
+    env = dict(os.environ, PYTHONPATH=str(dest), PYTHONDONTWRITEBYTECODE='1')
+    cmd = [sys.executable, '-m', 'pytest', '-q', '-x', '-p', 'no:cacheprovider', '--no-header', *tests]
+    try:
+      done = subprocess.run(cmd, cwd=dest, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+      return True  # a mutant that hangs the tests is noticed
+    return done.returncode != 0
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--only', default='', help='run the mutants whose name contains this')
+  parser.add_argument('--full', action='store_true', help='run survivors against the whole suite')
+  parser.add_argument('--timeout', type=int, default=900)
+  args = parser.parse_args(argv)
+  chosen = [m for m in MUTANTS if args.only in m.name]
+  survivors = []
+  for m in chosen:
+    t0 = time.perf_counter()
+    killed = run_mutant(m, m.tests, args.timeout)
+    if not killed and args.full:
+      killed = run_mutant(m, ('tests', 'notebooks'), args.timeout)
+    print(f"{'killed ' if killed else 'SURVIVED'} {time.perf_counter() - t0:6.1f}s  {m.name}", flush=True)
+    if not killed:
+      survivors.append(m.name)
+  print(f'\n{len(chosen) - len(survivors)} of {len(chosen)} mutants killed')
+  for name in survivors:
+    print(f'  survived: {name}')
+  return 1 if survivors else 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
