@@ -873,3 +873,25 @@ def test_returned_inputs_keep_their_identity_and_sharing_as_in_nnx_jit(name):
     assert box.var is model.bias and not isinstance(box.value, jax.core.Tracer)
   if name not in ('eval_shape', 'vmap'):
     np.testing.assert_array_equal(np.asarray(got[3].value), np.asarray(want[3].value))
+
+
+@pytest.mark.parametrize('name', ATTACHES)
+def test_a_failed_first_eager_call_attaches_nothing(name):
+  """The first call runs op by op; if it fails at run time, what the function attached is not
+  left on the model (nor anything of its trace)."""
+  m = _Sower(1.0)
+
+  def f(x):
+    jax.debug.callback(_fault, x)
+    return m(x)
+
+  g = make(name, f)
+  FAULT['raise'] = Boom('at run time')
+  try:
+    with pytest.raises(Exception, match='at run time'):
+      jax.block_until_ready(g(X))
+  finally:
+    FAULT['raise'] = None
+  assert not hasattr(m, 'seen')
+  g(X)  # and the next call attaches
+  assert isinstance(m.seen.get_value(), jax.Array)
