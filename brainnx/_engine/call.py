@@ -50,7 +50,7 @@ from brainnx._engine.arguments import CallArgs, StaticArgs
 from brainnx._engine.discovery import Discovery, discover
 from brainnx._engine.outputs import OutSpec
 from brainnx._engine.state import (
-  StepResult, abstract, abstract_states, finish_call, read_values, set_values, state_step, write_values,
+  StepResult, abstract, abstract_states, finish_call, read_values, state_step, write_values,
 )
 from brainnx._engine.structure import Attachments
 
@@ -218,16 +218,17 @@ class StatefulCall:
 
   @contextlib.contextmanager
   def rolling_back(self):
-    """On error inside the block: every container change and Variable value this call made is undone."""
-    variables = self.disc.variables
-    before = self.values if self.values is not None else read_values(variables)
+    """On error inside the block: every container change this call made is undone.
+
+    Variable values need no undoing here: a trace gives every Variable its value back
+    (:func:`swapped`), and :meth:`write_back`, the block's last step, checks every value
+    before it writes any (``write_values``), so an error leaves them as they were.
+    """
     try:
       with _compat.created_variables(log=False):  # this call's level: where orphans of its trace go
         yield self
     except BaseException:
       self.disc.restore(self.contents)
-      if any(a is not b for a, b in zip(read_values(variables), before)):
-        set_values(variables, before)
       raise
     finally:
       # JAX may keep the traced function (and so this object) alive in its caches
