@@ -59,6 +59,8 @@ def test_shorthand_equals_dict_form():
   a = bnx.vmap(lambda x: ens(x), in_axes=None, state_in_axes=nnx.Param)(X)
   b = bnx.vmap(lambda x: ens(x), in_axes=None, state_in_axes={0: nnx.Param})(X)
   np.testing.assert_array_equal(a, b)
+  want = jax.vmap(mlp_pure, in_axes=(0, None))(mlp_params(ens), X)  # the independent oracle
+  np.testing.assert_allclose(a, want, rtol=1e-6)
 
 
 def test_undeclared_read_only_variable_is_broadcast_unchanged():
