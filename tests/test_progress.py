@@ -40,8 +40,10 @@ def test_scan_bar_reaches_n_once_and_results_unchanged():
   with_bar = bnx.scan(step, 0.0, jnp.arange(10.0), pbar=pbar)
   assert_one_complete_bar(out, 10)
   without = bnx.scan(step, 0.0, jnp.arange(10.0))
-  for a, b in zip(jax.tree.leaves(with_bar), jax.tree.leaves(without)):
+  oracle = jax.lax.scan(step, 0.0, jnp.arange(10.0))  # the independent oracle
+  for a, b, c in zip(jax.tree.leaves(with_bar), jax.tree.leaves(without), jax.tree.leaves(oracle), strict=True):
     np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(a, c)
 
 
 def test_default_frequency_is_about_twenty_updates():
