@@ -237,3 +237,21 @@ def test_closure_float_rebound():
   scale = 3.0
   np.testing.assert_array_equal(f(x), x * 3.0)
 
+
+
+def test_a_variable_replaced_by_an_equal_one_is_seen():
+  class Holder(nnx.Module):
+    def __init__(self):
+      self.v = nnx.Variable(jnp.zeros(()))
+
+  holder = Holder()
+
+  @bnx.jit
+  def bump():
+    holder.v[...] += 1
+
+  bump()
+  old = holder.v
+  holder.v = nnx.Variable(old[...])  # a new object with an equal value: compared by identity
+  bump()
+  assert float(holder.v[...]) == 2.0 and float(old[...]) == 1.0

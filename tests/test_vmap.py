@@ -675,3 +675,14 @@ def test_a_module_passed_by_keyword_is_mapped_on_axis_0():
   got = bnx.vmap(lambda x, model: x * model.w[...])(xs, model=model)
   want = np.stack([np.asarray(xs[k] * model.w[...][k]) for k in range(3)])  # a Python loop per member
   np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_one_variable_passed_twice_with_different_in_axes_is_refused_like_nnx_vmap():
+  v = nnx.Param(jnp.arange(6.0).reshape(2, 3))
+  f = lambda a, b: a[...] + b[...]  # noqa: E731
+  with pytest.raises(ValueError, match='Inconsistent aliasing'):  # the oracle
+    nnx.vmap(f, in_axes=(0, 1), axis_size=2)(v, v)
+  with pytest.raises(bnx.BatchAxisError, match=r'is also reached as \(1,\), with another batch axis'):
+    bnx.vmap(f, in_axes=(0, 1), axis_size=2)(v, v)
+  with pytest.raises(bnx.BatchAxisError, match='is also reached as'):  # an argument and a closure
+    bnx.vmap(lambda a: a[...] + v[...], in_axes=0)(v)
