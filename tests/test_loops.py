@@ -549,3 +549,16 @@ def test_a_weakly_typed_write_keeps_the_carried_dtype():
   for _ in range(3):  # the oracle: a Python loop keeping the dtype, as a lax carry must
     want = jnp.int32(want + 1.5)
   assert v[...].dtype == jnp.int32 and int(v[...]) == int(want)
+
+
+def test_a_weakly_typed_value_set_in_a_loop_comes_back_strongly_typed_as_lax_keeps_its_carry():
+  v = nnx.Variable(jnp.zeros((), jnp.float32))
+
+  def body(x):
+    v.set_value(2.0)  # a Python float: weakly typed
+    return x
+
+  bnx.for_loop(body, jnp.arange(3.0))
+  want = jax.lax.fori_loop(0, 3, lambda i, c: c * 0 + 2.0, jnp.float32(0.0))  # the oracle
+  assert jax.typeof(v[...]) == jax.typeof(want) and not jax.typeof(v[...]).weak_type
+  assert float(v[...]) == float(want)
