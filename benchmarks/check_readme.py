@@ -1,9 +1,13 @@
-"""Every figure README.md states in "What you get" and "Benchmarks" is in a stamped table under
-benchmarks/results/ (a file that starts with the stamp of the script that measured it).
+"""Every figure README.md states is the cell of a stamped table that ``readme_figures.LEDGER``
+names for it: that table, under that heading, in that row and column.
 
-    python benchmarks/check_readme.py      # exit 1 and list the figures without a source
+    python benchmarks/check_readme.py      # exit 1 and list every figure without its cell
 
-Run by tests/test_benchmarks.py.
+A figure is a number (or a range) with a unit: a ratio, a share, a size or a time. The README's
+figures, in order, must be the ledger's figures, in order: a figure added, removed or moved
+without the ledger fails, and so does a ledger cell that holds anything but the figure (a swapped
+pair, an edited value). Code blocks, code spans and link targets state no figure. Run by
+tests/test_benchmarks.py.
 """
 
 from __future__ import annotations
@@ -12,19 +16,15 @@ import re
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+import readme_figures  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / 'benchmarks' / 'results'
-SECTIONS = ('What you get', 'Benchmarks')
 _NUMBER = r'\d+(?:[.,]\d+)?'
 # a measured figure: a number or a range with a unit (ratios, sizes, times, shares)
 FIGURE = re.compile(rf'(?<![\w.]){_NUMBER}(?:\s?[–-]\s?{_NUMBER})?\s?(?:x|×|MB|MiB|GB|µs|us|ms|s|%)(?![\w])')
 STAMP = re.compile(r'^commit: \S+ · date: .+ · jax \S+ · flax \S+ · .+ · statistic: .+$', re.M)
-
-
-def sections(readme: str) -> str:
-  """The text of the README sections whose figures need a source."""
-  parts = re.split(r'^## ', readme, flags=re.M)
-  return '\n'.join(p for p in parts if p.split('\n', 1)[0].strip() in SECTIONS)
 
 
 def normal(figure: str) -> str:
@@ -32,44 +32,91 @@ def normal(figure: str) -> str:
 
 
 def figures(text: str) -> list[str]:
-  text = re.sub(r'`[^`]*`', '', text)  # code (flags, file names, shapes) states no measurement
+  """The figures of ``text`` in order (repeats kept)."""
+  text = re.sub(r'```.*?```', '', text, flags=re.S)  # code blocks state no measurement
+  text = re.sub(r'`[^`]*`', '', text)  # nor do code spans (flags, file names, shapes)
   text = re.sub(r'\]\([^)]*\)', ']', text)  # nor do link targets
-  return sorted({m.group(0) for m in FIGURE.finditer(text)})
+  return [m.group(0) for m in FIGURE.finditer(text)]
 
 
-def tables() -> dict[Path, str]:
-  """Stamped result files and their normalised text; unstamped ones do not count."""
-  found = {}
-  for path in sorted(RESULTS.glob('*.md')):
-    text = path.read_text()
-    if STAMP.search(text):
-      found[path] = normal(text)
+def tables(text: str) -> list[tuple[str, list[str], list[list[str]]]]:
+  """``(heading, header cells, rows)`` of each markdown table in ``text``."""
+  found, heading, rows = [], '', []
+  for line in text.splitlines() + ['']:
+    if line.startswith('|'):
+      rows.append([c.strip() for c in line.strip().strip('|').split('|')])
+      continue
+    if rows:
+      body = [r for r in rows[1:] if not all(re.fullmatch(r':?-+:?', c) for c in r)]
+      found.append((heading, rows[0], body))
+      rows = []
+    if line.startswith('#'):
+      heading = line.lstrip('#').strip()
   return found
 
 
-def found_in(figure: str, table: str) -> bool:
-  """The figure as written, or its number in a table whose header names its unit (``(MB)``, or a
-  column headed ``µs (median)``)."""
-  figure = normal(figure)
-  if figure in table:
+def cell(name: str, heading: str, row: str, column: str) -> str:
+  """The cell, or a ``LookupError`` saying what is missing."""
+  path = RESULTS / name
+  if not path.exists():
+    raise LookupError(f'{name} does not exist')
+  text = path.read_text()
+  if not STAMP.search(text):
+    raise LookupError(f'{name} has no stamp of the script that wrote it')
+  for title, header, rows in tables(text):
+    if not title.startswith(heading):
+      continue
+    if column not in header:
+      continue
+    for cells in rows:
+      if cells and cells[0] == row:
+        return cells[header.index(column)]
+  raise LookupError(f'{name} has no table under {heading!r} with a column {column!r} and a row {row!r}')
+
+
+def holds(value: str, figure: str, column: str) -> bool:
+  """Whether a table cell states ``figure``: the same text, or its number in a column whose
+  header names its unit (``µs (median)``, ``aliased (MB)``) or that holds shares."""
+  value, figure = normal(value), normal(figure)
+  if value == figure:
     return True
   number, unit = re.fullmatch(rf'({_NUMBER}(?:–{_NUMBER})?)(.*)', figure).groups()
-  return (f'({unit})' in table or f'|{unit}(' in table) and re.search(rf'(?<![\d.]){re.escape(number)}(?![\d])', table) is not None
+  header = normal(column)
+  return value == number and (f'({unit})' in header or header.startswith(unit))
 
 
-def missing(readme: str | None = None) -> list[str]:
+def problems(readme: str | None = None, ledger=None) -> list[str]:
+  """What does not hold, one line each (empty: every figure is its cell)."""
   readme = (ROOT / 'README.md').read_text() if readme is None else readme
-  sources = tables()
-  return [f for f in figures(sections(readme)) if not any(found_in(f, t) for t in sources.values())]
+  ledger = readme_figures.LEDGER if ledger is None else ledger
+  exempt = {normal(k) for k in readme_figures.NOT_MEASURED}
+  stated = [f for f in figures(readme) if normal(f) not in exempt]
+  found = []
+  for k in range(max(len(stated), len(ledger))):
+    said = stated[k] if k < len(stated) else None
+    entry = ledger[k] if k < len(ledger) else None
+    if entry is None:
+      found.append(f'README figure {said!r} (number {k + 1}) has no ledger entry')
+      continue
+    if said is None or normal(said) != normal(entry[0]):
+      found.append(f'README figure number {k + 1} is {said!r} but the ledger expects {entry[0]!r} there')
+      break  # the rest is out of step
+    try:
+      value = cell(*entry[1:])
+    except LookupError as e:
+      found.append(f'{entry[0]!r}: {e}')
+      continue
+    if not holds(value, entry[0], entry[4]):
+      found.append(f'{entry[0]!r}: {entry[1]} says {value!r} in row {entry[3]!r}, column {entry[4]!r}')
+  return found
 
 
 def main() -> int:
-  lost = missing()
-  for figure in lost:
-    print(f'README figure {figure!r} is in no stamped table under benchmarks/results/')
-  print(f'{len(figures(sections((ROOT / "README.md").read_text())))} figures, {len(tables())} stamped tables, '
-        f'{len(lost)} without a source')
-  return 1 if lost else 0
+  found = problems()
+  for line in found:
+    print(line)
+  print(f'{len(readme_figures.LEDGER)} figures in the ledger; {len(found)} problems')
+  return 1 if found else 0
 
 
 if __name__ == '__main__':

@@ -537,20 +537,6 @@ def test_while_loop_inside_vmap_under_disable_jit_matches_lax():
 
 
 
-def test_a_weakly_typed_write_keeps_the_carried_dtype():
-  v = nnx.Variable(jnp.zeros((), jnp.int32))
-
-  def body(x):
-    v[...] = v[...] + 1.5  # a weakly typed float: cast back to the Variable's int32 every step
-    return x
-
-  bnx.for_loop(body, jnp.arange(3.0))
-  want = jnp.int32(0)
-  for _ in range(3):  # the oracle: a Python loop keeping the dtype, as a lax carry must
-    want = jnp.int32(want + 1.5)
-  assert v[...].dtype == jnp.int32 and int(v[...]) == int(want)
-
-
 def test_a_weakly_typed_value_set_in_a_loop_comes_back_strongly_typed_as_lax_keeps_its_carry():
   v = nnx.Variable(jnp.zeros((), jnp.float32))
 

@@ -1,0 +1,68 @@
+"""Where each figure README.md states comes from, in the order the README states them.
+
+Each entry is ``(figure as written, results file, heading it sits under (a prefix), row label,
+column header)``: ``benchmarks/check_readme.py`` finds that cell in that stamped table and
+requires it to hold exactly the figure. A figure added to the README, removed from it, moved, or
+edited without its table fails the check. ``NOT_MEASURED`` lists what looks like a figure but
+states no measurement.
+"""
+
+DEMO = ('demo_resources.md', 'Demo and property tests')
+OVERHEAD_2 = ('overhead.md', '2-layer MLP 32x32, batch 16')
+OVERHEAD_100 = ('overhead.md', '100-layer stack, 10 rounds')
+GRAPH_WARM = ('object_graph.md', 'Warm call')
+GRAPH_NEW = ('object_graph.md', 'Creates and returns')
+GRAPH_ATTACH = ('object_graph.md', 'Attaches an nnx.Intermediate')
+TRANSFORMER = ('transformer.md', 'min–max over 3 runs')
+DONATION = ('donation.md', 'Donated training step')
+CHECKPOINTED = ('checkpoint_memory.md', 'tanh RNN')
+
+LEDGER = [
+  # the main job
+  ('8.8 s', *DEMO, 'demo, default flags', 'wall (s)'),
+  ('405 MB', *DEMO, 'demo, --steps 20000', 'peak RSS (MB)'),
+  ('450 MB', *DEMO, 'demo, --steps 20000 --checkpoint-every 100', 'peak RSS (MB)'),
+  ('449 MB', *DEMO, 'demo, --steps 40000 --checkpoint-every 100', 'peak RSS (MB)'),
+  ('45 MB', *DEMO, 'demo, --steps 20000 --checkpoint-every 100', 'RSS over the 20000-step run without checkpoints (MB)'),
+  # Benchmarks
+  ('96.0 MB', *DONATION, 'brainnx jit, donate_states=True', 'aliased (MB)'),
+  ('0.0 MB', *DONATION, 'brainnx jit', 'aliased (MB)'),
+  ('3.3 MB', *CHECKPOINTED, 'brainnx.checkpointed_scan', 'XLA temp (MB)'),
+  ('1.8%', *CHECKPOINTED, 'brainnx.checkpointed_scan', 'temp vs jax.lax.scan'),
+  ('187.8 MB', *CHECKPOINTED, 'jax.lax.scan', 'XLA temp (MB)'),
+  ('10.9 µs', *OVERHEAD_2, 'brainnx.jit (closure)', 'µs (median)'),
+  ('11.0 µs', *OVERHEAD_2, 'brainnx.jit (arg)', 'µs (median)'),
+  ('11.4 µs', *OVERHEAD_2, 'raw jax.jit, list of pairs', 'µs (median)'),
+  ('12.0 µs', *OVERHEAD_2, 'raw jax.jit', 'µs (median)'),
+  ('268.8 µs', *OVERHEAD_2, 'nnx.jit', 'µs (median)'),
+  ('114.5 µs', *OVERHEAD_2, 'nnx.cached_partial', 'µs (median)'),
+  ('92.0 µs', *OVERHEAD_100, 'brainnx.jit (closure)', 'µs (median)'),
+  ('87.6 µs', *OVERHEAD_100, 'brainnx.jit (arg)', 'µs (median)'),
+  ('89.3 µs', *OVERHEAD_100, 'raw jax.jit', 'µs (median)'),
+  ('7730.9 µs', *OVERHEAD_100, 'nnx.jit', 'µs (median)'),
+  ('19.5 µs', *GRAPH_WARM, 'brainnx.jit', 'µs (median)'),
+  ('20.3 µs', *GRAPH_WARM, 'raw jax.jit, flat', 'µs (median)'),
+  ('65.0 µs', *GRAPH_NEW, 'brainnx.jit', 'µs (median)'),
+  ('126.4 µs', *GRAPH_NEW, 'nnx.jit', 'µs (median)'),
+  ('59.7 µs', *GRAPH_NEW, 'raw jax.jit + merge', 'µs (median)'),
+  ('84.1 µs', *GRAPH_ATTACH, 'brainnx.jit', 'µs (median)'),
+  ('653.3 µs', *GRAPH_ATTACH, 'nnx.jit', 'µs (median)'),
+  ('46.0–46.9 ms', *TRANSFORMER, 'brainnx, remat, donated', 'step median (ms)'),
+  ('47.7–49.6 ms', *TRANSFORMER, 'flax, remat, donated', 'step median (ms)'),
+  ('45.4–46.4 ms', *TRANSFORMER, 'jax.jit, remat, donated', 'step median (ms)'),
+  ('5.65 MB', *TRANSFORMER, 'brainnx, remat, donated', 'temp (MB)'),
+  ('6.40 MB', *TRANSFORMER, 'flax, remat, donated', 'temp (MB)'),
+  ('5.66 MB', *TRANSFORMER, 'jax.jit, remat, donated', 'temp (MB)'),
+  ('1882–1942 ms', *TRANSFORMER, 'brainnx, remat, donated', 'compile (ms)'),
+  ('2026–2050 ms', *TRANSFORMER, 'flax, remat, donated', 'compile (ms)'),
+  ('122–127 ms', *TRANSFORMER, 'brainnx, remat, not donated', 'trace (ms)'),
+  ('81–89 ms', *TRANSFORMER, 'flax, remat, not donated', 'trace (ms)'),
+  ('71–79 ms', *TRANSFORMER, 'jax.jit, remat, not donated', 'trace (ms)'),
+  ('374–389 ms', *TRANSFORMER, 'brainnx, remat, donated', 'trace (ms)'),
+  # Testing
+  ('45 s', *DEMO, 'pytest tests/test_properties.py', 'CPU (s)'),
+]
+
+NOT_MEASURED = {
+  '2×': 'a count of layers or the shape of a device mesh (2 × Linear, a 2 × 2 mesh)',
+}
