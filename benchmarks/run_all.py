@@ -28,6 +28,7 @@ SCRIPTS = {
   'mapping': ([], ['--rounds', '5', '--calls', '50'], True),
   'overhead': ([], ['--rounds', '5', '--calls', '100'], True),
   'object_graph': ([], ['--rounds', '3', '--calls', '40'], True),
+  'demo_resources': ([], [], True),
   'layers': ([], ['--depths', '48', '--trials', '1', '--rounds', '3'], False),
   'checkpoint_memory': ([], ['--length', '200', '--repeats', '1'], True),
   'ensemble_train': ([], ['--rounds', '5', '--calls', '20'], False),
