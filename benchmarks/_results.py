@@ -46,7 +46,7 @@ _UNITS = ('ms', 'µs', 'us', 'MB', 'MiB', 'GB', 's')
 _NUMBER = r'^(-?\d+(?:\.\d+)?)(x|×|%)?$'  # a value, maybe a ratio or a share
 
 
-def _tables(text: str) -> list[tuple[str, list[list[str]]]]:
+def tables(text: str) -> list[tuple[str, list[list[str]]]]:
   """The markdown tables of ``text`` in order, each with the nearest heading above it."""
   found, heading, rows = [], '', []
   for line in text.splitlines() + ['']:
@@ -81,7 +81,7 @@ def ranges(runs: list[str]) -> str:
   |---|---|---|
   | a | 2.0–3.5 | 1.05–1.10x |
   """
-  per_run = [_tables(text) for text in runs]
+  per_run = [tables(text) for text in runs]
   out = []
   for k, (heading, rows) in enumerate(per_run[0]):
     same = [tables[k][1] for tables in per_run if len(tables) > k and len(tables[k][1]) == len(rows)]

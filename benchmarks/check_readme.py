@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import readme_figures  # noqa: E402
+from _results import tables  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / 'benchmarks' / 'results'
@@ -39,22 +40,6 @@ def figures(text: str) -> list[str]:
   return [m.group(0) for m in FIGURE.finditer(text)]
 
 
-def tables(text: str) -> list[tuple[str, list[str], list[list[str]]]]:
-  """``(heading, header cells, rows)`` of each markdown table in ``text``."""
-  found, heading, rows = [], '', []
-  for line in text.splitlines() + ['']:
-    if line.startswith('|'):
-      rows.append([c.strip() for c in line.strip().strip('|').split('|')])
-      continue
-    if rows:
-      body = [r for r in rows[1:] if not all(re.fullmatch(r':?-+:?', c) for c in r)]
-      found.append((heading, rows[0], body))
-      rows = []
-    if line.startswith('#'):
-      heading = line.lstrip('#').strip()
-  return found
-
-
 def cell(name: str, heading: str, row: str, column: str) -> str:
   """The cell, or a ``LookupError`` saying what is missing."""
   path = RESULTS / name
@@ -63,10 +48,8 @@ def cell(name: str, heading: str, row: str, column: str) -> str:
   text = path.read_text()
   if not STAMP.search(text):
     raise LookupError(f'{name} has no stamp of the script that wrote it')
-  for title, header, rows in tables(text):
-    if not title.startswith(heading):
-      continue
-    if column not in header:
+  for title, (header, *rows) in tables(text):
+    if not title.startswith(heading) or column not in header:
       continue
     for cells in rows:
       if cells and cells[0] == row:

@@ -146,8 +146,8 @@ def slot_names(cls: type) -> tuple[str, ...]:
   """The ``__slots__`` attribute names of a class and its bases (none: it has a ``__dict__``)."""
   names = []
   for base in cls.__mro__:
-    for name in (base.__dict__.get('__slots__', ()) if not isinstance(base.__dict__.get('__slots__'), str)
-                 else (base.__dict__['__slots__'],)):
+    slots = base.__dict__.get('__slots__', ())
+    for name in (slots,) if isinstance(slots, str) else slots:
       if name not in ('__dict__', '__weakref__') and name not in names:
         names.append(name)
   return tuple(names)

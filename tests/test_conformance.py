@@ -210,6 +210,40 @@ def test_one_trace_with_a_rebound_global_counter(name):
   assert_matches(name, first, lambda x: x * 2.0 + 1.0, X)
 
 
+class _Counter:
+  def __init__(self):
+    self.traces = 0
+
+
+def _counted_on_an_object(counter):
+  def f(x):
+    counter.traces += 1  # a plain object's attribute, changed by the trace itself
+    return x * 2.0 + 3.0
+
+  return f
+
+
+@pytest.mark.parametrize('name', CACHED)
+def test_one_trace_with_a_counter_on_a_plain_object(name):
+  counter = _Counter()
+  g = make(name, _counted_on_an_object(counter))
+  first = g(X)
+  g(X), g(X)
+  assert counter.traces == TRACES_PER_SIGNATURE.get(name, 1)
+  assert_matches(name, first, lambda x: x * 2.0 + 3.0, X)
+
+
+@pytest.mark.parametrize('name', RUNS)
+def test_metadata_set_between_calls_is_seen(name):
+  """A function reading a Variable's metadata sees ``set_metadata`` between calls (it is part of
+  the cached trace's signature), as ``nnx.jit`` does."""
+  w = nnx.Param(jnp.ones(3), scale=2.0)
+  g = make(name, lambda x: x * w.get_metadata()['scale'])
+  g(X)
+  w.set_metadata(scale=5.0)
+  assert_matches(name, g(X), lambda x: x * 5.0, X)
+
+
 @pytest.mark.parametrize('name', CACHED)
 def test_one_trace_after_disable_jit(name):
   count = [0]

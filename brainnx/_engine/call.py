@@ -157,7 +157,6 @@ class StatefulCall:
     self.contents = disc.snapshot()
     self.info = Record(name)
     self.new_values: list = []
-    self.attached: list = []  # the Variables :meth:`output` attached (one per created leaf)
 
   @classmethod
   def enter(cls, fun: Callable, args: tuple, kwargs: dict, *, name: str, statics: StaticArgs = StaticArgs(),
@@ -210,7 +209,7 @@ class StatefulCall:
     """The function's return value rebuilt from its leaves, after what the call attached is
     built for this call's objects and attached (one merge: sharing between them is kept)."""
     info = self.info.get()
-    out, self.attached = finish_call(
+    out, _ = finish_call(
       self.disc, info.attachments, self.new_values, info.out_spec, list(leaves), attach=self.creates == 'keep'
     )
     self.new_values = []

@@ -274,15 +274,10 @@ class JittedFunction:
     overlap = set(self._donate_argnums) & set(options.statics.argnums)
     if overlap:
       raise ValueError(f'arguments {sorted(overlap)} cannot be both static and donated')
-    self.stateful_fun = StatefulFunction(
-      traced or fun, name=name or getattr(fun, '__name__', None)
-    )
+    # wrappers of one function share its traces and programs, as jax.jit's do
+    traces, self._compiled = (_shared_caches(fun, options) if traced is None else None) or (None, LRUCache(64))
+    self.stateful_fun = StatefulFunction(traced or fun, name=name or getattr(fun, '__name__', None), cache=traces)
     self.stateful_fun.statics = options.statics
-    self._compiled = LRUCache(64)
-    if traced is None:  # wrappers of one function share its traces and programs, as jax.jit's do
-      shared = _shared_caches(fun, options)
-      if shared is not None:
-        self.stateful_fun._cache, self._compiled = shared
     self._plans = LRUCache(16)
     self._warm = _cold
     self._lock = threading.Lock()

@@ -73,6 +73,8 @@ class StatefulFunction:
     return_only_write: the jaxpr returns only written states' values (else
       every touched state's). Default ``True``.
     cache_size: the number of traces kept (keyword only). Default ``128``.
+    cache: a trace cache to share (keyword only; ``jit`` shares one among the wrappers of a
+      function); ``cache_size`` is then unused.
 
   Raises:
     TypeError: if ``fun`` is not callable or an argnum is not an int.
@@ -103,13 +105,14 @@ class StatefulFunction:
     return_only_write: bool = True,
     *,
     cache_size: int = 128,
+    cache: LRUCache | None = None,
   ) -> None:
     check_callable(fun, 'StatefulFunction')
     self.fun = fun
     self.statics = StaticArgs.resolve(fun, static_argnums, static_argnames, what='StatefulFunction')
     self.name = name or getattr(fun, '__name__', type(fun).__name__)
     self.return_only_write = return_only_write
-    self._cache = LRUCache(cache_size)
+    self._cache = cache if cache is not None else LRUCache(cache_size)
 
   def __repr__(self) -> str:
     return f'StatefulFunction({self.name})'

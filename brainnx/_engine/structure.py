@@ -6,7 +6,7 @@ return new graph nodes that hold old ones (``Pair(backbone, head)``). Both are
 recorded against the call's discovery, the way ``nnx.split`` records a graph:
 objects the call already knew become references to their discovery index,
 new ones become a graph definition plus the values of their Variables. The
-trace itself leaves nothing attached. After every call, :func:`rebuild`
+trace itself leaves nothing attached. After every call, ``state.finish_call``
 merges the definitions against *that* call's objects (``nnx.merge`` with its
 known objects as references): each call gets fresh Variables of its own,
 attached where the function put them, and sharing between what it attached
@@ -16,7 +16,7 @@ Example:
   >>> import jax.numpy as jnp
   >>> from flax import nnx
   >>> from brainnx._engine.discovery import discover
-  >>> from brainnx._engine.structure import GraphSplit
+  >>> from brainnx._engine.structure import GraphSplit, KnownRefs
   >>> m = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
   >>> disc = discover(lambda m: m, (m,), {})
   >>> before = disc.snapshot()
@@ -25,7 +25,7 @@ Example:
   >>> attached, values = graph.attachments(disc.changes_since(before))
   >>> disc.restore(before); hasattr(m, 'extra')
   False
-  >>> _ = attached.apply(disc, [values[0] * 3], graph.known_refs(disc))
+  >>> _ = attached.apply(disc, [values[0] * 3], KnownRefs(disc))
   >>> m.extra[...].tolist()
   [3.0, 3.0]
 """
@@ -174,10 +174,6 @@ class GraphSplit:
     if self._ref_map is None:
       self._ref_map = _compat.known_ref_map(known_objects(self.disc))
     return self._ref_map
-
-  @staticmethod
-  def known_refs(disc: Discovery) -> KnownRefs:
-    return KnownRefs(disc)
 
   def split(self, x, where: str) -> tuple[Fresh, list, list, list, list]:
     """``(recipe, values, stand-ins, Variable graph indices, paths)`` of one new value."""
