@@ -105,3 +105,41 @@ def nnx_split_draws(seed, n):
     return rngs.normal(())
 
   return draw(nnx.Rngs(seed))
+
+
+def demo_training_in_plain_jax(members: int, seed: int, steps: int, lr: float = 1e-2):
+  """The demo's training, member by member, in plain jax + optax on dicts of arrays: the oracle.
+
+  Starts from the demo's initial parameters (``demo.build``); returns the losses ``(steps,
+  members)`` and the trained parameters stacked as ``{'l1': {'kernel', 'bias'}, 'l2': ...}``.
+  """
+  import optax
+
+  from brainnx import demo
+
+  x, y, _ = demo.make_data(seed)
+  ensemble, _ = demo.build(members, seed, lr=lr)
+  stacked = nnx.to_pure_dict(nnx.state(ensemble, nnx.Param))
+  tx = optax.adam(lr)
+
+  def nll(params, x, y):
+    out = mlp_pure(params, x)
+    mean, var = out[:, :1], jax.nn.softplus(out[:, 1:]) + demo.MIN_VARIANCE
+    return jnp.mean(0.5 * jnp.log(var) + 0.5 * (y - mean) ** 2 / var)
+
+  @jax.jit
+  def step(params, opt_state):
+    loss, grads = jax.value_and_grad(nll)(params, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  losses, trained = [], []
+  for k in range(members):
+    params = jax.tree.map(lambda a: a[k], stacked)
+    opt_state, member_losses = tx.init(params), []
+    for _ in range(steps):
+      params, opt_state, loss = step(params, opt_state)
+      member_losses.append(float(loss))
+    losses.append(member_losses)
+    trained.append(params)
+  return np.array(losses).T, jax.tree.map(lambda *a: np.stack(a), *trained)

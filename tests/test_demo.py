@@ -1,7 +1,7 @@
 """python -m brainnx.demo: Figure 1 of Deep Ensembles, flags, checkpoints, Ctrl-C.
 
-Oracles: the paper's loss written in plain jax on the members' arrays, an
-uninterrupted run for resumed ones, one device for many.
+Oracles: the paper's loss and the members' training written in plain jax + optax on their
+arrays (``helpers.demo_training_in_plain_jax``); beside it, an uninterrupted run for resumed ones.
 """
 
 import os
@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 from brainnx import demo
+from helpers import demo_training_in_plain_jax
 
 ENV = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -141,6 +142,7 @@ def test_checkpoint_resume_equals_uninterrupted(tmp_path, capsys):
   np.testing.assert_array_equal(resumed['losses'], whole['losses'])
   for a, b in zip(_state_leaves(resumed), _state_leaves(whole), strict=True):
     np.testing.assert_array_equal(a, b)
+  np.testing.assert_allclose(whole['losses'], demo_training_in_plain_jax(2, 0, 30)[0], rtol=1e-4, atol=1e-6)
   # a run without checkpoints trains in one loop: equal up to float rounding
   plain = demo.main(['--members', '2', '--steps', '30', '--no-plot'])
   np.testing.assert_allclose(plain['losses'], whole['losses'], rtol=1e-4, atol=1e-6)
@@ -242,3 +244,8 @@ def test_devices_split_the_members_and_equal_one_device(tmp_path, capsys):
   kernel = two['ensemble'].l1.kernel.get_value()
   assert {s.data.shape[0] for s in kernel.addressable_shards} == {2}
   np.testing.assert_allclose(two['losses'], one['losses'], rtol=1e-5, atol=1e-6)
+  # and both are the members trained one by one in plain jax + optax
+  losses, params = demo_training_in_plain_jax(4, 0, 20)
+  np.testing.assert_allclose(one['losses'], losses, rtol=1e-5, atol=1e-6)
+  trained = nnx.to_pure_dict(nnx.state(two['ensemble'], nnx.Param))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), trained, params)

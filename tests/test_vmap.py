@@ -260,6 +260,7 @@ def test_rng_reseed_reproduces_and_cold_equals_warm():
   warm(nnx.Rngs(1))  # compiled and cached
   cold = bnx.vmap(draw, in_axes=None, axis_size=4)(nnx.Rngs(7))
   np.testing.assert_array_equal(warm(nnx.Rngs(7)), cold)
+  np.testing.assert_array_equal(cold, nnx_split_draws(7, 4))  # and both are flax's draws
 
 
 def test_nested_vmap_draws_six_distinct():
