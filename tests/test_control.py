@@ -262,3 +262,44 @@ def test_branch_errors_speak_of_branches_not_loops():
   assert 'loop' not in str(info.value)
   with pytest.raises(TypeError, match='cond: true_fun is not callable'):
     bnx.cond(True, 'nope', lambda: None)
+
+
+@pytest.mark.parametrize('pred', [1e-40, 2**40, -0.0, float('nan'), np.float32(1e-40), jnp.float32(1e-40), True, 0, 3])
+def test_a_predicate_is_true_exactly_when_jax_lax_cond_takes_true_fun(pred):
+  counter = nnx.Variable(jnp.int32(0))
+
+  def true_fun():
+    counter[...] += 1
+    return 1
+
+  want = jax.lax.cond(pred, lambda: 1, lambda: 0)  # a Python 1e-40 is true; float32's is flushed to 0
+  assert int(bnx.cond(pred, true_fun, lambda: 0)) == int(want)
+  assert int(counter[...]) == int(want)
+  if not isinstance(pred, int) or abs(pred) < 2**31:  # jit's arguments are int32
+    assert int(bnx.jit(lambda p: bnx.cond(p, lambda: 1, lambda: 0))(pred)) == int(
+      jax.jit(lambda p: jax.lax.cond(p, lambda: 1, lambda: 0))(pred))
+
+
+def test_branches_may_return_the_same_static_values_and_must_not_differ_in_them():
+  def pair(sign):  # a static tag beside an array, and None: what brainnx.jit passes through
+    return lambda x: {'kind': 'moment', 'value': sign * x, 'note': None}
+
+  x = jnp.arange(3.0)
+  for call in (lambda p, x: bnx.cond(p, pair(1), pair(-1), x), bnx.jit(lambda p, x: bnx.cond(p, pair(1), pair(-1), x))):
+    for p in (True, False):
+      out = call(p, x)
+      want = jax.lax.cond(p, lambda x: x, lambda x: -x, x)
+      assert out['kind'] == 'moment' and out['note'] is None
+      np.testing.assert_array_equal(out['value'], want)
+  out = bnx.switch(1, [lambda: 'a', lambda: 'a'])
+  assert out == 'a'
+  batched = bnx.vmap(lambda p, x: bnx.cond(p, pair(1), pair(-1), x))(jnp.array([True, False]), jnp.ones((2, 3)))
+  assert batched['kind'] == 'moment'
+  np.testing.assert_array_equal(batched['value'], jax.vmap(lambda p, x: jnp.where(p, x, -x))(jnp.array([True, False]), jnp.ones((2, 3))))
+  with pytest.raises(TypeError, match="cond: true_fun returns 'a' but false_fun returns 'b'.*static"):
+    bnx.cond(True, lambda: 'a', lambda: 'b')
+  with pytest.raises(TypeError, match=r"switch: branch 1 returns float32\[2\] but branch 0 returns 'a'"):
+    bnx.jit(lambda: bnx.switch(0, [lambda: 'a', lambda: jnp.ones(2)]))()
+  assert int(bnx.ifelse([False, True], [lambda: 2, lambda: 3])) == 3  # Python numbers are arrays
+  with pytest.raises(TypeError, match=r"ifelse: branch 1 returns 'up' but branch 0 returns 'down'"):
+    bnx.ifelse([True, False], [lambda: 'down', lambda: 'up'])

@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from brainnx._engine.discovery import discover
 from brainnx._engine.eager import run
@@ -43,15 +44,16 @@ def cond(pred, true_fun: Callable, false_fun: Callable, *operands) -> Any:
     pred: a boolean or real number scalar (Python or array; batched under ``vmap``); as in
       ``jax.lax.cond``, any non-zero number (``-1``, ``0.5``, ``nan``) is true.
     true_fun, false_fun: the branches, called as ``branch(*operands)``; both must return
-      the same structure, shapes and dtypes.
+      the same structure, shapes and dtypes, and the same non-array (static) values.
     *operands: the branches' arguments.
 
   Returns:
     The output of the branch taken.
 
   Raises:
-    TypeError: a branch is not callable, or ``pred`` is not a boolean or real number scalar
-      (``None``, a string, a complex number, an array of another shape).
+    TypeError: a branch is not callable, the branches return different static values, or
+      ``pred`` is not a boolean or real number scalar (``None``, a string, a complex number,
+      an array of another shape).
     ValueError: the branches return different structures (naming ``true_fun`` /
       ``false_fun``), or one creates Variables.
 
@@ -61,10 +63,13 @@ def cond(pred, true_fun: Callable, false_fun: Callable, *operands) -> Any:
     2.0
   """
   _check_branches((true_fun, false_fun), 'cond', ('true_fun', 'false_fun'))
-  pred = _scalar(pred, 'cond', 'the predicate `pred`', 'a boolean or number scalar')
+  given, pred = pred, _scalar(pred, 'cond', 'the predicate `pred`', 'a boolean or number scalar')
   if jnp.issubdtype(pred.dtype, jnp.complexfloating):
     raise TypeError(f'cond: the predicate `pred` must be a boolean or real number scalar, got dtype {pred.dtype}')
-  index = jax.lax.convert_element_type(pred != 0, jnp.int32)  # any non-zero number is true, as jax.lax.cond
+  # any non-zero number is true, tested on the value as given, as jax.lax.cond does: a Python
+  # 1e-40 is true although float32 would flush it to zero, and 2**40 needs no int32
+  truth = pred if pred.dtype == jnp.bool_ else given != 0
+  index = jax.lax.convert_element_type(truth, jnp.int32)
   return run(_switch_impl, (false_fun, true_fun), ('cond', 2), (index, *operands))
 
 
@@ -141,7 +146,7 @@ def _scalar(value, name: str, what: str, expected: str):
   if value is None or isinstance(value, (str, bytes)):
     raise TypeError(f'{name}: {what} must be {expected}, got {value!r}')
   try:
-    array = value if hasattr(value, 'dtype') and hasattr(value, 'shape') else jnp.asarray(value)
+    array = value if hasattr(value, 'dtype') and hasattr(value, 'shape') else np.asarray(value)
   except (TypeError, ValueError):
     raise TypeError(f'{name}: {what} must be {expected}, got {type(value).__name__} {value!r}') from None
   if array.shape != ():
@@ -159,6 +164,21 @@ def _check_branches(branches: tuple, name: str, labels: tuple | None = None) -> 
       label = labels[k] if labels else f'branch {k}'
       raise TypeError(f'{name}: {label} is not callable (got {type(b).__name__})')
     check_callable(b, f'{name}: {labels[k] if labels else f"branch {k}"}')
+
+
+class _Shape(tuple):
+  """An array output's ``(shape, dtype)``, as errors print it."""
+
+  def __repr__(self):
+    return f'{self[1]}{list(self[0])}'
+
+
+def _signature(leaf):
+  """What every branch must agree on for one output leaf: an array's shape and dtype, or a
+  static (non-array) value itself."""
+  if hasattr(leaf, 'shape') and hasattr(leaf, 'dtype'):
+    return _Shape((tuple(leaf.shape), leaf.dtype))
+  return leaf
 
 
 def _label(name: str, k: int) -> str:
@@ -190,13 +210,15 @@ def _switch_impl(*args):
   branches, index, operands = args[:n], args[n], args[n + 1 : -2]
   disc = discover(branches, operands, {})
   bodies = [_Body(b, operands, name, disc) for b in branches]
-  shapes = [jax.tree.map(lambda s: (s.shape, s.dtype), b.trace.out_shapes(b.disc)) for b in bodies]
+  shapes = [jax.tree.map(_signature, b.trace.out_shapes(b.disc)) for b in bodies]
   for k, s in enumerate(shapes[1:], start=1):
     if jax.tree.structure(s) != jax.tree.structure(shapes[0]) or jax.tree.leaves(s) != jax.tree.leaves(shapes[0]):
-      raise ValueError(
-        f'{name}: {_label(name, k)} returns {jax.tree.unflatten(jax.tree.structure(s), jax.tree.leaves(s))} but '
-        f'{_label(name, 0)} returns {jax.tree.unflatten(jax.tree.structure(shapes[0]), jax.tree.leaves(shapes[0]))}: '
-        'every branch must return the same structure, shapes and dtypes'
+      static = [x for x in jax.tree.leaves(s) + jax.tree.leaves(shapes[0]) if not isinstance(x, _Shape)]
+      error = TypeError if static else ValueError  # as jax.lax.cond: a wrong type, or wrong shapes
+      raise error(
+        f'{name}: {_label(name, k)} returns {s!r} but {_label(name, 0)} returns {shapes[0]!r}: every branch must '
+        'return the same structure, shapes and dtypes'
+        + (', and the same non-array (static) values, which leave the construct as they are' if static else '')
       )
   written = sorted({i for b in bodies for i in b.written})
   restructured = _restructured(bodies, written)
