@@ -709,15 +709,16 @@ RETURNS_CREATED = {
   'pmap': lambda: bnx.pmap(lambda x: _build(x)[0])(twice(X)[:1]),
   'remat': lambda: bnx.remat(_build)(X)[0],
   'eval_shape': lambda: bnx.eval_shape(_build, X)[0],
+  # the derivatives return it in aux (as nnx.grad does); the value itself must be arrays
+  'grad': lambda: bnx.grad(_build_aux, has_aux=True)(X)[1],
+  'value_and_grad': lambda: bnx.value_and_grad(_build_aux, has_aux=True)(X)[0][1],
+  'jvp': lambda: bnx.jvp(_build_aux, (X,), (X,), has_aux=True)[2],
+  'vjp': lambda: bnx.vjp(_build_aux, X, has_aux=True)[2],
+  'jacrev': lambda: bnx.jacrev(_build_aux, has_aux=True)(X)[1],
+  'jacfwd': lambda: bnx.jacfwd(_build_aux, has_aux=True)(X)[1],
+  'hessian': lambda: bnx.hessian(_build_aux, has_aux=True)(X)[1],
 }
 REFUSES_CREATED = {
-  'grad': lambda: bnx.grad(_build_aux, has_aux=True)(X),
-  'value_and_grad': lambda: bnx.value_and_grad(_build_aux, has_aux=True)(X),
-  'jvp': lambda: bnx.jvp(_build_aux, (X,), (X,), has_aux=True),
-  'vjp': lambda: bnx.vjp(_build_aux, X, has_aux=True),
-  'jacrev': lambda: bnx.jacrev(_build_aux, has_aux=True)(X),
-  'jacfwd': lambda: bnx.jacfwd(_build_aux, has_aux=True)(X),
-  'hessian': lambda: bnx.hessian(_build_aux, has_aux=True)(X),
   'map': lambda: bnx.map(_build, X),
   'scan': lambda: bnx.scan(lambda c, x: (c, _build(x)), 0.0, X),
   'for_loop': lambda: bnx.for_loop(_build, X),
@@ -822,6 +823,20 @@ class _Pair(nnx.Module):
     self.a, self.b = a, b
 
 
+DERIVATIVES = ('grad', 'value_and_grad', 'jvp', 'vjp', 'jacrev', 'jacfwd', 'hessian')
+
+
+def _in_aux(name, make):
+  """What ``make(X)`` returns, passed out of derivative ``name`` as its aux."""
+  f = lambda x: ((x ** 2).sum(), make(x))  # noqa: E731
+  if name == 'jvp':
+    return bnx.jvp(f, (X,), (X,), has_aux=True)[2]
+  if name == 'vjp':
+    return bnx.vjp(f, X, has_aux=True)[2]
+  out = getattr(bnx, name)(f, has_aux=True)(X)
+  return out[0][1] if name == 'value_and_grad' else out[1]
+
+
 def _wrap(m, x):
   return _Pair(m, nnx.Linear(3, 3, rngs=nnx.Rngs(0))), x
 
@@ -833,6 +848,7 @@ WRAPS = {
   'pmap': lambda m: bnx.pmap(lambda m, x: _wrap(m, x)[0], in_axes=(None, 0), out_axes=None)(m, twice(X)[:1]),
   'remat': lambda m: bnx.remat(_wrap)(m, X)[0],
   'eval_shape': lambda m: bnx.eval_shape(_wrap, m, X)[0],
+  **{name: lambda m, name=name: _in_aux(name, lambda x: _wrap(m, x)[0]) for name in DERIVATIVES},
 }
 
 
@@ -862,6 +878,7 @@ SHARES = {
   'vmap': lambda: bnx.vmap(_shared_outputs, in_axes=None, out_axes=None, axis_size=2)(X),
   'remat': lambda: bnx.remat(_shared_outputs)(X),
   'eval_shape': lambda: bnx.eval_shape(_shared_outputs, X),
+  **{name: lambda name=name: _in_aux(name, _shared_outputs) for name in DERIVATIVES},
 }
 
 

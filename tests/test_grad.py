@@ -211,3 +211,86 @@ def test_grad_states_a_module_differentiates_its_params_only_as_nnx_grad():
   want = nnx.grad(lambda m, x: m(x))(model, jnp.ones(2))
   assert jax.tree.structure(jax.tree.map(np.asarray, got)) == jax.tree.structure(jax.tree.map(np.asarray, want))
   np.testing.assert_array_equal(np.asarray(jax.tree.leaves(got)[0]), np.asarray(want['w'][...]))
+
+
+# -- argnums as nnx.grad takes them ----------------------------------------------------------------
+
+
+class _Probe(nnx.Module):
+  """A Linear and a running scale."""
+
+  def __init__(self):
+    self.lin = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    self.scale = nnx.BatchStat(jnp.array([1.5, -0.5]))
+
+  def __call__(self, x):
+    return self.lin(x) * self.scale[...]
+
+
+def _tree_equal(got, want):
+  assert jax.tree.structure(got) == jax.tree.structure(want), (got, want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
+def test_argnums_over_a_state_or_dict_of_variables_differentiates_them_all_as_nnx_grad():
+  model, x = _Probe(), jnp.array([[1.0, -2.0]])
+  for holder in (nnx.State, dict):
+    perturbations = holder({'h': nnx.Perturbation(jnp.zeros((1, 2)))})
+
+    def loss(model, perturbations, x):  # the perturbation enters the loss additively: d/dh = 3
+      return (3 * (model.lin(x) * model.scale[...] + perturbations['h'][...])).sum()
+
+    want = nnx.grad(loss, argnums=(0, 1))(model, perturbations, x)
+    got = bnx.grad(loss, argnums=(0, 1))(model, perturbations, x)
+    assert type(got[1]) is type(want[1]) is holder and isinstance(got[1]['h'], nnx.Perturbation)
+    _tree_equal(got, want)
+    np.testing.assert_array_equal(got[1]['h'][...], jnp.full((1, 2), 3.0))
+
+
+@pytest.mark.parametrize('selects', [nnx.BatchStat, nnx.Any(nnx.BatchStat, nnx.PathContains('bias')),
+                                     lambda path, v: path[0] == 'lin'])
+def test_diff_state_selects_on_the_arguments_own_paths_as_nnx_grad(selects):
+  x = jnp.array([[1.0, -2.0]])
+  loss = lambda model, x: (model.lin(x) * model.scale[...]).sum() ** 2  # noqa: E731
+  want = nnx.grad(loss, argnums=nnx.DiffState(0, selects))(_Probe(), x)
+  got = bnx.grad(loss, argnums=nnx.DiffState(0, selects))(_Probe(), x)
+  _tree_equal(got, want)
+  both = bnx.value_and_grad(loss, argnums=(nnx.DiffState(0, selects), 1))(_Probe(), x)
+  _tree_equal(both, nnx.value_and_grad(loss, argnums=(nnx.DiffState(0, selects), 1))(_Probe(), x))
+
+
+def test_aux_may_hold_modules_created_inside_and_captured_intermediates_as_nnx_grad():
+  x = jnp.array([[1.0, -2.0]])
+
+  def with_head(model, x):  # flax's test_value_and_grad_with_aux, with a Module made inside
+    head = nnx.Linear(2, 1, rngs=nnx.Rngs(3))
+    return head(model(x)).sum(), (head, model.scale)
+
+  model = _Probe()
+  (value, (head, scale)), grads = bnx.value_and_grad(with_head, has_aux=True)(model, x)
+  (want_value, (want_head, _)), want_grads = nnx.value_and_grad(with_head, has_aux=True)(_Probe(), x)
+  assert isinstance(head, nnx.Linear) and scale is model.scale  # the caller's own Variable
+  _tree_equal((value, nnx.state(head), grads), (want_value, nnx.state(want_head), want_grads))
+
+  def captured(model, x):
+    probed = lambda model, x: model.perturb('h', model(x))  # noqa: E731
+    out, inter = nnx.capture(probed, nnx.Perturbation)(model, x)
+    return out.sum(), inter
+
+  grads, inter = bnx.grad(captured, has_aux=True)(_Probe(), x)
+  want_grads, want_inter = nnx.grad(captured, has_aux=True)(_Probe(), x)
+  _tree_equal((grads, inter), (want_grads, want_inter))
+  with pytest.raises(ValueError, match='grad: the value the function returns holds a Linear.*in aux, with has_aux=True'):
+    bnx.grad(lambda x: nnx.Linear(2, 1, rngs=nnx.Rngs(0)))(x)
+
+
+def test_a_filter_matching_nothing_shows_the_paths_it_sees_and_the_diff_state_rewrite():
+  model, x = _Probe(), jnp.array([[1.0, -2.0]])
+  loss = lambda model, x: model(x).sum()  # noqa: E731
+  on_own_paths = lambda path, v: path[0] == 'lin'  # noqa: E731  (flax's paths: relative to the argument)
+  with pytest.raises(ValueError, match=r"start at the root.*\(0, 'lin', 'bias'\).*argnums=nnx.DiffState\(k, filter\)"):
+    bnx.grad(loss, grad_states=on_own_paths)(model, x)
+  # the rewrite the error gives is nnx.grad's own
+  _tree_equal(bnx.grad(loss, argnums=nnx.DiffState(0, on_own_paths))(model, x),
+              nnx.grad(loss, argnums=nnx.DiffState(0, on_own_paths))(model, x))

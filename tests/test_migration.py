@@ -16,7 +16,7 @@ from helpers import assert_same_values, values_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGE = (ROOT / 'docs' / 'migration.md').read_text()
-ROWS = ['vmap-stateaxes', 'split-rngs', 'scan-carry', 'scan-layers', 'broadcast-stream', 'cached-partial']
+ROWS = ['vmap-stateaxes', 'split-rngs', 'scan-carry', 'scan-layers', 'broadcast-stream', 'cached-partial', 'grad-diffstate']
 
 
 def _blocks() -> dict:
@@ -111,6 +111,13 @@ def test_cached_partial():
   flax, ours = _run('cached-partial', 'flax'), _run('cached-partial', 'brainnx')
   np.testing.assert_allclose(ours['losses'], flax['losses'], rtol=1e-5)
   np.testing.assert_allclose(ours['model'].kernel[...], flax['model'].kernel[...], rtol=1e-5)
+
+
+def test_grad_with_diff_state():
+  flax, ours = _run('grad-diffstate', 'flax'), _run('grad-diffstate', 'brainnx')
+  assert sorted(ours['grads']) == sorted(flax['grads']) == ['backbone']
+  for got, want in ((ours['grads'], flax['grads']), (ours['by_filter']['model'], flax['grads'])):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), nnx.to_pure_dict(got), nnx.to_pure_dict(want))
 
 
 # -- nnx.StateAxes: read as the state_in_axes it means ------------------------------------

@@ -59,10 +59,15 @@ def _int_tuple(argnums, what: str) -> tuple[int, ...]:
 
 
 def check_argnums(argnums, name: str) -> tuple[tuple[int, ...] | None, bool]:
-  """A differentiation transform's ``argnums`` (``None``, an int or ints): ``(tuple or None,
-  given as an int)``; anything else is a ``TypeError`` naming ``argnums`` and ``name``."""
+  """A differentiation transform's ``argnums`` (``None``, an int or ints; a bool counts as an
+  int, as in ``jax.grad``): ``(tuple or None, given as an int)``; anything else is a
+  ``TypeError`` naming ``argnums`` and ``name``."""
   if argnums is None:
     return None, False
+  if isinstance(argnums, bool):  # a bool is an int, as jax.grad takes it
+    argnums = int(argnums)
+  elif isinstance(argnums, (tuple, list)):
+    argnums = tuple(int(n) if isinstance(n, bool) else n for n in argnums)
   return _int_tuple(argnums, f'{name}: argnums'), _is_int(argnums)
 
 

@@ -17,7 +17,7 @@ import jax
 
 from brainnx._engine.arguments import check_argnums, resolve_argnums
 from brainnx._engine.eager import run
-from brainnx._transforms.grad import GradFunction, _pure_call, _selected
+from brainnx._transforms.grad import GradFunction, _pure_call, _selected, aux_of
 from brainnx._engine.errors import check_callable
 
 __all__ = ['jacrev', 'jacfwd', 'hessian', 'vjp', 'jvp']
@@ -117,8 +117,9 @@ def vjp(fun: Callable, *primals, grad_states: Any = None, argnums: int | Sequenc
     nums = resolve_argnums(nums, len(primals), 'vjp')
   pure, target_vals, arg_vals, stateful, pack = _pure_call(fun, grad_states, nums, has_aux, primals, {}, 'vjp')
   with stateful.rolling_back():
-    value, pull, (_, aux, written_vals) = jax.vjp(pure, target_vals, arg_vals, has_aux=True)
+    value, pull, (_, out_leaves, written_vals) = jax.vjp(pure, target_vals, arg_vals, has_aux=True)
     stateful.write_back(written_vals)
+    aux = aux_of(stateful, out_leaves, has_aux)
 
   def vjp_fn(cotangent):
     g_states, g_args = pull(cotangent)
@@ -161,8 +162,9 @@ def _jvp_impl(fun, primals, tangents, has_aux):
   nums = tuple(range(len(primals)))
   pure, target_vals, arg_vals, stateful, _ = _pure_call(fun, None, nums, has_aux, primals, {}, 'jvp')
   with stateful.rolling_back():
-    value, tangent_out, (_, aux, written_vals) = jax.jvp(
+    value, tangent_out, (_, out_leaves, written_vals) = jax.jvp(
       lambda *a: pure(target_vals, list(a)), tuple(arg_vals), tuple(tangents), has_aux=True
     )
     stateful.write_back(written_vals)
+    aux = aux_of(stateful, out_leaves, has_aux)
   return (value, tangent_out, aux) if has_aux else (value, tangent_out)

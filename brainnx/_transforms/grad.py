@@ -39,7 +39,7 @@ __all__ = ['grad', 'value_and_grad']
 class _Targets:
   """What to differentiate: Variables (with how to package their grads) and argnums."""
 
-  def __init__(self, spec, disc: Discovery, call_args: tuple, argnums, name: str = 'grad'):
+  def __init__(self, spec, disc: Discovery, call_args: tuple, argnums, name: str = 'grad', filters: dict | None = None):
     self.name = name
     self.variables: list = []  # unique Variables, in input order
     self.spec = spec
@@ -49,8 +49,8 @@ class _Targets:
     self.argnums = argnums  # resolved: non-negative, in range, distinct
     self.node_args = {}  # argnum -> pack function for graph-node arguments
     for k in argnums or ():
-      if holds_graph_node(call_args[k]):  # a node, or a dict/list of Variables, as nnx.grad takes
-        self.node_args[k] = self._node(call_args[k])
+      if holds_graph_node(call_args[k]):  # a node, or a State/dict/list holding them, as nnx.grad takes
+        self.node_args[k] = self._node(call_args[k], (filters or {}).get(k, nnx.Param), k)
 
   def _index(self, variable) -> int:
     for k, v in enumerate(self.variables):
@@ -59,13 +59,31 @@ class _Targets:
     self.variables.append(variable)
     return len(self.variables) - 1
 
-  def _node(self, node):
+  def _node(self, node, selects=nnx.Param, argnum: int | None = None):
+    """How to pack the gradient of ``node``, as ``nnx.grad`` does: a Module's Variables that
+    ``selects`` (on paths relative to the Module) as an ``nnx.State``; a Variable whole; a
+    State, dict or list holding them, the same container of their gradients."""
     if isinstance(node, nnx.Variable):
       k = self._index(node)
       return lambda grads: grads[k]
-    flat = list(nnx.to_flat_state(nnx.state(node, nnx.Param)))
-    slots = [(path, var, self._index(var)) for path, var in flat]
-    return lambda grads: nnx.from_flat_state([(path, _grad_leaf(var, grads[k])) for path, var, k in slots])
+    if is_graph_node(node):
+      flat = list(nnx.to_flat_state(nnx.state(node, to_filter(selects))))
+      slots = [(path, var, self._index(var)) for path, var in flat]
+      return lambda grads: nnx.from_flat_state([(path, _grad_leaf(var, grads[k])) for path, var, k in slots])
+    leaves, treedef = jax.tree.flatten(node, is_leaf=is_graph_node)
+    packs = []
+    for x in leaves:
+      if isinstance(x, nnx.Variable):
+        k = self._index(x)
+        packs.append(lambda grads, x=x, k=k: _grad_leaf(x, grads[k]))
+      elif is_graph_node(x):
+        packs.append(self._node(x, selects))
+      else:
+        raise TypeError(
+          f'{self.name}: argument {argnum} (argnums) holds arrays beside Variables or Modules '
+          f'({type(x).__name__}); pass the arrays as an argument of their own, or hold them in Variables'
+        )
+    return lambda grads: treedef.unflatten([pack(grads) for pack in packs])
 
   def _resolve(self, spec, disc: Discovery):
     if is_graph_node(spec):
@@ -79,7 +97,13 @@ class _Targets:
     predicate = to_filter(spec)
     matched = [(p, v) for p, v in zip(disc.paths, disc.variables) if predicate(p, v)]
     if not matched:
-      raise ValueError(f'{self.name}: grad_states={spec!r} matches none of the Variables the function uses')
+      shown = ', '.join(repr(tuple(p)) for p in disc.paths[:4]) + (', ...' if len(disc.paths) > 4 else '')
+      raise ValueError(
+        f'{self.name}: grad_states={spec!r} matches none of the Variables the function uses. A filter sees '
+        f'paths that start at the root: an argument position or a captured name ({shown}). Match inside '
+        "them (nnx.PathContains('name')), or differentiate an argument on its own paths with "
+        'argnums=nnx.DiffState(k, filter), as nnx.grad does'
+      )
     slots = [(path, var, self._index(var)) for path, var in matched]
     return lambda grads: GradsByRoot(nnx.from_flat_state([(path, _grad_leaf(var, grads[k])) for path, var, k in slots]))
 
@@ -156,17 +180,20 @@ def _grad_leaf(var, grad):
   return var.copy(grad) if isinstance(var, nnx.Variable) else grad
 
 
-def _pure_call(fun, grad_states, argnums, has_aux, args, kwargs, name='grad'):
+def _pure_call(fun, grad_states, argnums, has_aux, args, kwargs, name='grad', filters=None):
   """The call as a pure function of the selected Variables' and arguments' values.
 
   Returns ``(pure, target_vals, arg_vals, stateful, pack)``: ``pure(t, a)`` gives
-  ``(value, (value, aux, written values))``; ``stateful`` is the :class:`StatefulCall`
+  ``(value, (value, output leaves, written values))``; ``stateful`` is the :class:`StatefulCall`
   (``stateful.write_back(written values)`` writes the other Variables back, inside
-  ``stateful.rolling_back()``); ``pack(g_states, g_args)`` packs derivatives like the selection.
+  ``stateful.rolling_back()``, then ``aux_of(stateful, output leaves, has_aux)`` is the aux);
+  ``pack(g_states, g_args)`` packs derivatives like the selection. ``filters`` maps a
+  differentiated argument to what its Modules contribute (``nnx.DiffState``'s filter;
+  ``nnx.Param`` when absent).
   """
   stateful = StatefulCall.enter(fun, args, kwargs, name=name)
   call, disc, values = stateful.call, stateful.disc, stateful.values
-  targets = _Targets(grad_states, disc, args, argnums, name)
+  targets = _Targets(grad_states, disc, args, argnums, name, filters)
   targets.check_differentiable(disc)
   target_at = [disc.index_of(v) for v in targets.variables]
   diff_args = tuple(k for k in (argnums or ()) if k not in targets.node_args)
@@ -184,19 +211,21 @@ def _pure_call(fun, grad_states, argnums, has_aux, args, kwargs, name='grad'):
       new_args[k] = x
     dyn_call = CallArgs.split(tuple(new_args), kwargs)
     step = stateful.step(states, dyn_call.dyn, dyn_call)
-    if step.split_out(disc)[0].new_nodes():
-      raise ValueError(
-        f'{name}: the function returns a Module or Variable it creates; create it before the {name} call '
-        'and only update it inside'
-      )
     out = step.out
     if has_aux:
       if not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError(f'{name}: with has_aux=True the function must return a pair (value, aux)')
-      value, aux = out
+      value = out[0]
     else:
-      value, aux = out, None
-    return value, (value, aux, step.written_values())
+      value = out
+    nodes = [x for x in jax.tree.leaves(value, is_leaf=is_graph_node) if is_graph_node(x)]
+    if nodes:
+      raise ValueError(
+        f'{name}: the value the function returns holds a {type(nodes[0]).__name__}; it must be arrays. '
+        'Return Modules and Variables (ones it creates too) in aux, with has_aux=True'
+      )
+    # the whole output leaves as aux leaves: ``aux_of`` rebuilds aux with the caller's objects
+    return value, (value, step.split_out(disc, name)[1], step.written_values())
 
   def pack(g_states, g_args):
     by_arg = dict(zip(diff_args, g_args))
@@ -205,6 +234,14 @@ def _pure_call(fun, grad_states, argnums, has_aux, args, kwargs, name='grad'):
 
   target_vals = [values[i] if i is not None else read_values([v])[0] for i, v in zip(target_at, targets.variables)]
   return pure, target_vals, [args[k] for k in diff_args], stateful, pack
+
+
+def aux_of(stateful: StatefulCall, out_leaves, has_aux: bool):
+  """The aux of a differentiated call, rebuilt from its output leaves after the write-back:
+  Modules it created are built anew and Variables it returned are the caller's (``None``
+  without ``has_aux``)."""
+  out = stateful.output(out_leaves)
+  return out[1] if has_aux else None
 
 
 def _selected(grad_states, argnums, argnums_is_int, state_grads, by_arg):
@@ -217,25 +254,42 @@ def _selected(grad_states, argnums, argnums_is_int, state_grads, by_arg):
   return state_grads if grad_states is not None else arg_grads
 
 
-def _grad_call(fun, grad_states, argnums, argnums_is_int, has_aux, args, kwargs, transform=jax.grad, name='grad'):
+def _grad_call(fun, grad_states, argnums, argnums_is_int, has_aux, args, kwargs, transform=jax.grad, name='grad',
+               filters=None):
   """``(value, aux, grads)`` of one call; other writes applied.
 
   ``transform`` is ``jax.grad``, ``jax.jacrev``, ``jax.jacfwd`` or the diagonal hessian. A
   Jacobian of a function returning a pytree has that pytree's structure outermost, as
   ``jax.jacrev`` gives it: each output leaf holds the derivatives as the selection packs them.
   """
+  by_arg = {}
   if argnums is not None:
     argnums = resolve_argnums(argnums, len(args), name)
-  pure, target_vals, arg_vals, stateful, pack = _pure_call(fun, grad_states, argnums, has_aux, args, kwargs, name)
+    by_arg = dict(zip(argnums, filters or ()))
+  pure, target_vals, arg_vals, stateful, pack = _pure_call(fun, grad_states, argnums, has_aux, args, kwargs, name, by_arg)
   with stateful.rolling_back():
-    derivs, (value, aux, written_vals) = transform(pure, argnums=(0, 1), has_aux=True)(target_vals, arg_vals)
+    derivs, (value, out_leaves, written_vals) = transform(pure, argnums=(0, 1), has_aux=True)(target_vals, arg_vals)
     stateful.write_back(written_vals)
+    aux = aux_of(stateful, out_leaves, has_aux)
   out_def = jax.tree.structure(value)
   per_leaf = []
   for g_states, g_args in out_def.flatten_up_to(derivs):
     state_grads, by_arg = pack(g_states, g_args)
     per_leaf.append(_selected(grad_states, argnums, argnums_is_int, state_grads, by_arg))
   return value, aux, jax.tree.unflatten(out_def, per_leaf)
+
+
+def _diff_states(argnums):
+  """``argnums`` with flax's ``nnx.DiffState(argnum, filter)`` entries as their ints, and each
+  position's filter (``nnx.Param`` where an int was given); ``None`` without a DiffState."""
+  if isinstance(argnums, nnx.DiffState):
+    return argnums.argnum, (argnums.filter,)
+  if isinstance(argnums, (tuple, list)) and any(isinstance(a, nnx.DiffState) for a in argnums):
+    return (
+      tuple(a.argnum if isinstance(a, nnx.DiffState) else a for a in argnums),
+      tuple(a.filter if isinstance(a, nnx.DiffState) else nnx.Param for a in argnums),
+    )
+  return argnums, None
 
 
 class GradFunction:
@@ -245,6 +299,7 @@ class GradFunction:
                name='grad'):
     self.fun, self.grad_states, self.has_aux, self.transform = fun, grad_states, has_aux, transform
     self.return_value, self.with_value_first, self.name = return_value, with_value_first, name
+    argnums, self.filters = _diff_states(argnums)
     self.argnums, self.argnums_is_int = check_argnums(argnums, name)
     if self.argnums is None and grad_states is None:
       self.argnums, self.argnums_is_int = (0,), True
@@ -254,7 +309,7 @@ class GradFunction:
   def _impl(self, *args, **kwargs):
     value, aux, grads = _grad_call(
       self.fun, self.grad_states, self.argnums, self.argnums_is_int, self.has_aux, args, kwargs, self.transform,
-      self.name,
+      self.name, self.filters,
     )
     if self.with_value_first:
       return ((value, aux) if self.has_aux else value), grads
@@ -299,12 +354,14 @@ def grad(
       ``optimizer.update(model, grads['model'])``, and passing the whole
       nest to an optimizer raises a ``ValueError`` saying so. Default
       ``None``: no Variables.
-    argnums: an int or a sequence of ints: positional arguments to
-      differentiate (a Module argument gets a State of its Params, like
-      ``nnx.grad``). Default ``None``; ``0`` when ``grad_states`` is also
-      ``None``.
+    argnums: an int, an ``nnx.DiffState(argnum, filter)``, or a sequence
+      of them: positional arguments to differentiate, as ``nnx.grad`` takes
+      them (a Module argument gets a State of its Variables the filter
+      selects on its own paths, ``nnx.Param`` for an int; a State or dict of
+      Variables, all of them). Default ``None``; ``0`` when ``grad_states``
+      is also ``None``.
     has_aux: ``fun`` returns ``(value, aux)``; ``aux`` is returned, not
-      differentiated. Default ``False``.
+      differentiated, and may hold Modules ``fun`` creates. Default ``False``.
     return_value: also return ``fun``'s value. Default ``False``.
 
   Returns:
@@ -321,7 +378,8 @@ def grad(
       Modules, or with ``has_aux=True`` ``fun`` does not return a pair.
     ValueError: when called, if ``argnums`` names an argument beyond those
       passed, a filter ``grad_states`` matches none of the Variables the
-      function uses, or the function creates Variables.
+      function uses, the function attaches Variables it creates, or its
+      value holds a Module or Variable.
 
   Example:
     >>> import jax.numpy as jnp
