@@ -946,3 +946,22 @@ def test_a_failed_first_eager_call_attaches_nothing(name):
   assert not hasattr(m, 'seen')
   g(X)  # and the next call attaches
   assert isinstance(m.seen.get_value(), jax.Array)
+
+
+# -- state_in_axes: one rule for every transform that takes it -------------------------------
+
+TAKES_STATE_IN_AXES = {
+  'vmap': lambda axes: bnx.vmap(lambda x: x, state_in_axes=axes)(X),
+  'vmap_new_states': lambda axes: bnx.vmap_new_states(lambda x: x, state_in_axes=axes)(X),
+  'pmap': lambda axes: bnx.pmap(lambda x: x, state_in_axes=axes)(twice(X)[:1]),
+  'scan': lambda axes: bnx.scan(lambda c, x: (c, x), 0.0, X, state_in_axes=axes),
+  'for_loop': lambda axes: bnx.for_loop(lambda x: x, X, state_in_axes=axes),
+}
+
+
+@pytest.mark.parametrize('name', list(TAKES_STATE_IN_AXES))
+def test_state_in_axes_that_are_not_rules_are_type_errors_naming_the_transform(name):
+  with pytest.raises(TypeError, match=f"^{name}: state_in_axes: axis keys must be int or None, got 'a'"):
+    TAKES_STATE_IN_AXES[name]({'a': nnx.Param})
+  with pytest.raises(TypeError, match=rf'^{name}: state_in_axes maps batch axes to filters.*did you mean state_in_axes=\{{0: nnx.Param\}}'):
+    TAKES_STATE_IN_AXES[name]({nnx.Param: 0})

@@ -100,8 +100,10 @@ def _is_axis(x) -> bool:
 class AxisRules:
   """Ordered ``(axis, predicate)`` entries built from a user's rule spec."""
 
-  def __init__(self, spec: Any, what: str):
+  def __init__(self, spec: Any, what: str, owner: str | None = None):
+    """``what``: the keyword, as errors name it; ``owner``: the transform, which starts them."""
     self.what = what
+    start = f'{owner}: ' if owner else ''
     self.entries: list[tuple[int | None, Any, Any]] = []  # (axis, predicate, original filter)
     if spec is None:
       return
@@ -111,7 +113,7 @@ class AxisRules:
       items = list(spec.items())
       if items and not all(_is_axis(axis) for axis, _ in items) and all(_is_axis(v) for _, v in items):
         raise TypeError(
-          f'{what} maps batch axes to filters, {{axis: filter}}, the other way round from '
+          f'{start}{what} maps batch axes to filters, {{axis: filter}}, the other way round from '
           f'nnx.StateAxes: did you mean {what}={rules_code([(v, k) for k, v in items])}? (Or keep '
           f'your dict as {what}=nnx.StateAxes({_dict_code(items)}), which brainnx reads in its order.)'
         )
@@ -119,7 +121,7 @@ class AxisRules:
       items = [(0, spec)]
     for axis, flt in items:
       if not _is_axis(axis):
-        raise TypeError(f'{what}: axis keys must be int or None, got {axis!r} for filter {flt!r}')
+        raise TypeError(f'{start}{what}: axis keys must be int or None, got {axis!r} for filter {flt!r}')
       self.entries.append((axis, to_filter(flt), flt))
 
   @classmethod

@@ -109,6 +109,7 @@ def pmap(
   """
   statics = normalize_argnums(static_broadcasted_argnums, 'static_broadcasted_argnums')
   config = map_config(
+    'pmap',
     in_axes=in_axes,
     out_axes=out_axes,
     axis_name=axis_name,

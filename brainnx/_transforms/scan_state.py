@@ -48,11 +48,10 @@ class StepState:
 
 
 def check_scan_rules(state_in_axes, name: str) -> None:
-  """Refuse, when the loop is called, ``state_in_axes`` axes a scan does not honour."""
-  if not isinstance(state_in_axes, dict):
-    return
-  for axis, flt in state_in_axes.items():
-    if not (axis is None or (isinstance(axis, int) and not isinstance(axis, bool) and axis == 0)):
+  """Refuse, when the loop is called, ``state_in_axes`` that are not rules (``TypeError``, as
+  every transform refuses them) or axes a scan does not honour (``ValueError``)."""
+  for axis, _, flt in AxisRules(state_in_axes, 'state_in_axes', name).entries:
+    if axis not in (None, 0):
       raise ValueError(
         f'{name}: state_in_axes={{{axis!r}: {flt!r}}} is not honoured: a scan takes axis 0 (each step '
         'sees one slice of a stacked Variable) or None (every step sees the same value, e.g. '

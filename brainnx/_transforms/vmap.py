@@ -660,14 +660,14 @@ def _pmap_of(cfg: MapConfig, layout: _Layout, body):
   )
 
 
-def map_config(*, state_in_axes, state_out_axes, unexpected_out_state_mapping, **fields) -> MapConfig:
-  """A ``MapConfig`` from a mapping transform's public keywords (rules and policy normalised;
-  an ``nnx.StateAxes`` in ``in_axes`` becomes the ``state_in_axes`` entries it means)."""
+def map_config(name: str, *, state_in_axes, state_out_axes, unexpected_out_state_mapping, **fields) -> MapConfig:
+  """A ``MapConfig`` from mapping transform ``name``'s public keywords (rules and policy
+  normalised; an ``nnx.StateAxes`` in ``in_axes`` becomes the ``state_in_axes`` entries it means)."""
   fields['in_axes'], from_in_axes = vmap_checks.split_state_axes(fields.get('in_axes', 0))
   return MapConfig(
     fn=None,
-    state_in=from_in_axes + AxisRules(state_in_axes, 'state_in_axes'),
-    state_out=AxisRules(state_out_axes, 'state_out_axes'),
+    state_in=from_in_axes + AxisRules(state_in_axes, 'state_in_axes', name),
+    state_out=AxisRules(state_out_axes, 'state_out_axes', name),
     policy=Policy.of(unexpected_out_state_mapping),
     **fields,
   )
@@ -767,6 +767,7 @@ def vmap(
     (4, 2, 3)
   """
   config = map_config(
+    'vmap',
     in_axes=in_axes,
     out_axes=out_axes,
     axis_name=axis_name,
@@ -852,6 +853,7 @@ def vmap_new_states(
   if isinstance(axis_size, int) and axis_size <= 0:
     raise ValueError(f'vmap_new_states: axis_size must be positive, got {axis_size}')
   config = map_config(
+    'vmap_new_states',
     in_axes=in_axes,
     out_axes=out_axes,
     axis_name=axis_name,
@@ -862,6 +864,6 @@ def vmap_new_states(
     unexpected_out_state_mapping=unexpected_out_state_mapping,
     new_states=True,
     state_tag=state_tag,
-    state_to_exclude=AxisRules(state_to_exclude, 'state_to_exclude') if state_to_exclude is not None else None,
+    state_to_exclude=AxisRules(state_to_exclude, 'state_to_exclude', 'vmap_new_states') if state_to_exclude is not None else None,
   )
   return mapped('vmap_new_states', fun, config)
