@@ -26,6 +26,7 @@ from jax._src import array as _jax_array
 from jax._src import core as _jax_core
 from jax._src import pjit as _jax_pjit
 from jax._src.interpreters import batching as _batching
+from jax._src.lax import lax as _jax_lax
 
 __all__ = [
   'ArrayImpl',
@@ -505,3 +506,9 @@ def is_interrupted_callback(error: BaseException) -> bool:
   if not isinstance(error, jax.errors.JaxRuntimeError):
     return False
   return str(error).rstrip().rstrip(':').endswith('KeyboardInterrupt')  # the callback's traceback ends so
+
+
+def weakly_typed(x):
+  """``x`` with a weak type, as a Python scalar turned array has (``jax.lax.fori_loop``'s index
+  for Python int bounds): ``x * jnp.int8(1)`` is then ``int8``."""
+  return _jax_lax._convert_element_type(x, weak_type=True)

@@ -548,3 +548,63 @@ def test_a_weakly_typed_value_set_in_a_loop_comes_back_strongly_typed_as_lax_kee
   want = jax.lax.fori_loop(0, 3, lambda i, c: c * 0 + 2.0, jnp.float32(0.0))  # the oracle
   assert jax.typeof(v[...]) == jax.typeof(want) and not jax.typeof(v[...]).weak_type
   assert float(v[...]) == float(want)
+
+
+# -- fori_loop's bounds and index, as jax.lax.fori_loop's ------------------------------------
+
+
+def _index_type(loop, lower, upper, traced: bool):
+  """(dtype, weak) of the index ``loop`` gives its body, with the bounds concrete or traced."""
+  seen = []
+
+  def body(i, c):
+    seen.append((i.dtype, i.aval.weak_type))
+    return c
+
+  if traced:
+    jax.jit(lambda lo, hi: loop(lo, hi, body, 0.0))(lower, upper)
+  else:
+    loop(lower, upper, body, 0.0)
+  return seen[-1]
+
+
+BOUNDS = [(0, 3), (jnp.int8(0), jnp.int8(3)), (np.int16(1), np.int16(4)), (0, jnp.int8(3)), (0.0, 3.0)]
+
+
+@pytest.mark.parametrize('traced', [False, True])
+@pytest.mark.parametrize('lower,upper', BOUNDS)
+def test_fori_loop_index_has_lax_fori_loops_type_and_the_loop_its_result(lower, upper, traced):
+  assert _index_type(bnx.fori_loop, lower, upper, traced) == _index_type(jax.lax.fori_loop, lower, upper, traced)
+  counter = nnx.Variable(jnp.float32(0))
+
+  def stateful(i, c):
+    counter[...] += 1.0
+    return c + i
+
+  want = jax.lax.fori_loop(lower, upper, lambda i, c: c + i, jnp.float32(0))
+  assert float(bnx.fori_loop(lower, upper, stateful, jnp.float32(0))) == float(want)
+  assert float(counter[...]) == float(upper) - float(lower)
+
+
+@pytest.mark.parametrize('lower,upper', [(0, 2.5), (True, 3), (0, '3'), (jnp.int8(0), jnp.int16(3)), (0, jnp.ones(2, int))])
+def test_fori_loop_bounds_that_lax_refuses_are_type_errors(lower, upper):
+  with pytest.raises(TypeError):
+    jax.lax.fori_loop(lower, upper, lambda i, c: c, 0)
+  with pytest.raises(TypeError, match='^fori_loop: (lower|upper|lower and upper) must'):
+    bnx.fori_loop(lower, upper, lambda i, c: c, 0)
+  with pytest.raises(TypeError, match='^fori_loop: lower and upper must have equal types'):
+    bnx.jit(lambda u: bnx.fori_loop(0, u, lambda i, c: c, 0))(2.5)
+
+
+def test_fori_loop_refuses_created_variables_whatever_its_bounds():
+  model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+  def body(i, c):
+    model.seen = nnx.Intermediate(c)  # a sow-like attachment in every step
+    return c + 1.0
+
+  with pytest.raises(ValueError, match='^fori_loop: the loop body creates Variables'):
+    bnx.fori_loop(0, 2, body, 0.0)
+  with pytest.raises(ValueError, match='^fori_loop: the loop body creates Variables'):
+    bnx.jit(lambda u: bnx.fori_loop(0, u, body, 0.0))(2)
+  assert not hasattr(model, 'seen')

@@ -358,7 +358,8 @@ def scan(
   return run(_scan_impl, (f, bar), (length, reverse, unroll, rest, _rules_key(state_in_axes, 'scan')), (init, xs))
 
 
-def _scan_impl(f, bar, init, xs, length, reverse, unroll, pbar, state_in_axes=None, name='scan', layers_check=True):
+def _scan_impl(f, bar, init, xs, length, reverse, unroll, pbar, state_in_axes=None, name='scan', layers_check=True,
+               keep_new=True):
   over_nodes = scan_state.holds_nodes(xs)
   if (state_in_axes is not None or over_nodes) and length is None and not _dyn_leaves(xs):
     length = _stacked_length(f, init, xs, state_in_axes, name)
@@ -368,7 +369,7 @@ def _scan_impl(f, bar, init, xs, length, reverse, unroll, pbar, state_in_axes=No
     return _all_or_nothing(f, (init, xs), lambda: _python_scan(f, init, xs, n, reverse, runner))
   layers_check = layers_check and not stacks_exempt(f)
   try:
-    body, n_carry, state = _scan_parts(f, init, xs, name, state_in_axes)
+    body, n_carry, state = _scan_parts(f, init, xs, name, state_in_axes, keep_new)
   except Exception as e:
     if layers_check and not isinstance(e, BatchAxisError):
       layer_checks.explain_failure(discover(f, (init, _step_example(xs)), {}), n, state_in_axes, e)
@@ -694,7 +695,7 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
   return run(_while_impl, (cond_fun, body_fun), (), (init_val,))
 
 
-def _while_impl(cond_fun, body_fun, init_val):
+def _while_impl(cond_fun, body_fun, init_val, name='while_loop'):
   if _in_python():
 
     def python_loop():
@@ -706,18 +707,18 @@ def _while_impl(cond_fun, body_fun, init_val):
     return _all_or_nothing((cond_fun, body_fun), (init_val,), python_loop)
 
   disc = discover((cond_fun, body_fun), (init_val,), {})
-  body = _Body(body_fun, (init_val,), 'while_loop', disc)
-  cond = _Body(cond_fun, (init_val,), 'while_loop', disc)
+  body = _Body(body_fun, (init_val,), name, disc)
+  cond = _Body(cond_fun, (init_val,), name, disc)
   if cond.written:
     names = ', '.join(disc.describe(i) for i in cond.written)
-    raise ValueError(f'while_loop: cond_fun writes {names}; cond_fun may only read Variables')
+    raise ValueError(f'{name}: cond_fun writes {names}; cond_fun may only read Variables')
   shapes = jax.tree.leaves(cond.trace.out_shapes(cond.disc))
   if len(shapes) != 1 or shapes[0].shape != () or shapes[0].dtype != jnp.bool_:
-    raise TypeError(f'while_loop: cond_fun must return a boolean scalar, got {cond.trace.out_shapes(cond.disc)}')
+    raise TypeError(f'{name}: cond_fun must return a boolean scalar, got {cond.trace.out_shapes(cond.disc)}')
   init_struct = jax.tree.structure(init_val, is_leaf=is_graph_node)
   out_markers = jax.tree.unflatten(body.trace.out_spec.treedef, list(range(len(body.trace.out_spec.slots))))
   if jax.tree.structure(out_markers) != init_struct:
-    raise ValueError(f'while_loop: body_fun must return the structure of init_val ({init_struct})')
+    raise ValueError(f'{name}: body_fun must return the structure of init_val ({init_struct})')
 
   def cond_w(carry):
     written, leaves = carry
@@ -742,8 +743,9 @@ def fori_loop(lower, upper, body_fun: Callable, init_val: Any, pbar=None) -> Any
   ``pbar`` works); with traced bounds as a ``while_loop``.
 
   Args:
-    lower: the first index (an int, or a traced integer scalar).
-    upper: one past the last index (an int, or a traced integer scalar).
+    lower: the first index (an int, or an integer scalar, concrete or
+      traced); of ``upper``'s type, as ``jax.lax.fori_loop`` requires.
+    upper: one past the last index.
     body_fun: ``body_fun(i, val) -> val``, returning the structure of
       ``init_val``; it may read and write Variables.
     init_val: the initial loop value (a pytree).
@@ -755,8 +757,9 @@ def fori_loop(lower, upper, body_fun: Callable, init_val: Any, pbar=None) -> Any
     upper)`` (``init_val`` when that range is empty).
 
   Raises:
-    TypeError: if ``body_fun`` is not callable, or ``pbar`` is not
-      ``None``, a ``ProgressBar`` or an int.
+    TypeError: if ``body_fun`` is not callable, the bounds are not
+      scalars of one type, or ``pbar`` is not ``None``, a ``ProgressBar``
+      or an int.
     ValueError: if ``pbar`` is given with traced bounds or is a
       non-positive int, or for the problems :func:`scan` /
       :func:`while_loop` report (a body that creates Variables, changes a
@@ -768,32 +771,66 @@ def fori_loop(lower, upper, body_fun: Callable, init_val: Any, pbar=None) -> Any
     10
   """
   _check_callable(body_fun, 'fori_loop')
+  index_type = _index_dtype(lower, upper)
   try:
     lo, hi = int(lower), int(upper)
   except (TypeError, jax.errors.ConcretizationTypeError):
     if pbar is not None:
       raise ValueError('fori_loop: a progress bar needs concrete (Python int) bounds') from None
-    return _fori_while(lower, upper, body_fun, init_val)
+    return _fori_while(lower, upper, body_fun, init_val, *index_type)
   bar, rest = _split_pbar(pbar)
   return run(_fori_impl, (body_fun, bar), (lo, hi, rest), (init_val,))
 
 
+def _is_weak(x) -> bool:
+  """Whether ``x`` is weakly typed: a Python number, or an array or tracer made from one."""
+  if isinstance(x, (int, float, complex)):
+    return not isinstance(x, bool)
+  return bool(getattr(getattr(x, 'aval', x), 'weak_type', False))
+
+
+def _index_dtype(lower, upper):
+  """``(dtype, weak)`` of ``fori_loop``'s index under traced bounds, checking the bounds as
+  ``jax.lax.fori_loop`` does: scalars of one type, or two signed integer types of which one is
+  weak (a Python int beside an int8 array)."""
+  found = []
+  for what, bound in (('lower', lower), ('upper', upper)):
+    try:
+      dtype = None if isinstance(bound, (str, bytes)) or bound is None else jnp.result_type(bound)
+    except TypeError:
+      dtype = None
+    if dtype is None or jnp.ndim(bound) != 0:
+      raise TypeError(f'fori_loop: {what} must be a scalar, as in jax.lax.fori_loop; got {bound!r}')
+    found.append(dtype)
+  lo, hi = found
+  lo_weak, hi_weak = _is_weak(lower), _is_weak(upper)
+  if lo == hi:
+    return lo, lo_weak  # the index starts as ``lower``, weak or not
+  if jnp.issubdtype(lo, jnp.signedinteger) and jnp.issubdtype(hi, jnp.signedinteger) and lo_weak != hi_weak:
+    return (hi, False) if lo_weak else (lo, False)
+  raise TypeError(
+    f'fori_loop: lower and upper must have equal types, as in jax.lax.fori_loop; got {lo} and {hi}'
+  )
+
+
 def _fori_impl(body_fun, bar, init_val, lo, hi, pbar):
   def step(carry, i):
-    return body_fun(i, carry), None
+    # concrete bounds give a weakly typed index, as jax.lax.fori_loop's (i * jnp.int8(1) is int8)
+    return body_fun(_compat.weakly_typed(i), carry), None
 
   step.__wrapped__ = body_fun
   if hi <= lo:
     return init_val
-  return _scan_impl(step, bar, init_val, jnp.arange(lo, hi), None, False, 1, pbar, None, 'fori_loop', layers_check=False)[0]
+  return _scan_impl(step, bar, init_val, jnp.arange(lo, hi), None, False, 1, pbar, None, 'fori_loop',
+                    layers_check=False, keep_new=False)[0]
 
 
-def _fori_while(lower, upper, body_fun, init_val):
+def _fori_while(lower, upper, body_fun, init_val, index_dtype, weak):
   def cond(c):
     return c[0] < upper
 
   def body(c):
-    return c[0] + 1, body_fun(c[0], c[1])
+    return c[0] + 1, body_fun(_compat.weakly_typed(c[0]) if weak else c[0], c[1])
 
   body.__wrapped__ = body_fun
-  return _while_impl(cond, body, (jnp.asarray(lower), init_val))[1]
+  return _while_impl(cond, body, (jnp.asarray(lower, index_dtype), init_val), 'fori_loop')[1]
