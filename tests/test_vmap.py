@@ -557,6 +557,34 @@ def test_zero_size_batch_works_like_jax_vmap():
   assert bnx.vmap(counted)(xs).shape == (0, 3) and int(calls[...]) == 1
 
 
+@pytest.mark.parametrize('under_jit', [False, True])
+def test_an_empty_batch_has_axis_size_zero_and_runs_no_element_as_jax_vmap(under_jit):
+  """psum over the axis, a counter stepped by it and host callbacks, against jax.vmap of the
+  same function on the pure counter."""
+  xs = jnp.ones((0, 3))
+
+  def pure(count, x, log):
+    jax.debug.callback(lambda v: log.append(v), x.sum())  # fires once per element that runs
+    size = jax.lax.psum(1, 'i')
+    return count + size, size + x.sum()
+
+  ref_log, log = [], []
+  ref_count, ref_out = jax.vmap(lambda x: pure(jnp.int32(5), x, ref_log), axis_name='i', out_axes=(None, 0))(xs)
+  count = nnx.Variable(jnp.int32(5))
+
+  def stateful(x):
+    count[...], out = pure(count[...], x, log)
+    return out
+
+  f = bnx.vmap(stateful, axis_name='i')
+  out = (bnx.jit(f) if under_jit else f)(xs)
+  jax.effects_barrier()
+  assert int(count[...]) == int(ref_count) == 5  # psum over no elements is 0
+  assert out.shape == ref_out.shape == (0,) and log == ref_log == []
+  size = bnx.vmap(lambda x: jax.lax.psum(1.0, 'i'), axis_name='i', out_axes=None)(xs)
+  assert float(size) == float(jax.vmap(lambda x: jax.lax.psum(1.0, 'i'), axis_name='i', out_axes=None)(xs)) == 0.0
+
+
 # -- aliasing, empty batches and new Variables' axes, against jax.vmap / nnx.vmap -------
 
 

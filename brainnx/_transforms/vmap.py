@@ -401,24 +401,22 @@ def _user_stacklevel() -> int:
   return level
 
 
-def _place(value, axis, empty: bool = False):
+def _place(value, axis, unstacked: bool = False):
   """Move the batch axis (0) of every leaf to ``axis``, or keep one copy (``ONCE``).
 
-  ``empty``: the batch had no elements and ran as one element of zeros (see
-  :func:`_one_of_zeros`): batched values are cut back to length 0.
+  ``unstacked``: the mapping already gave values placed ``ONCE`` without a batch axis (an
+  empty batch, mapped with ``out_axes=None`` for them: there is no element 0 to take).
   """
   if axis is ONCE:
-    return jax.tree.map(lambda x: x[0], value)
-  if empty:
-    value = jax.tree.map(lambda x: x[:0], value)
+    return value if unstacked else jax.tree.map(lambda x: x[0], value)
   if axis == 0:
     return value
   return jax.tree.map(lambda x: jnp.moveaxis(x, 0, axis), value)
 
 
 def _one_of_zeros(tree, axes):
-  """A zero-size batch as a batch of one element of zeros, so values that do not depend on the
-  batch can still be computed (as ``jax.vmap`` computes them for an empty batch)."""
+  """A zero-size batch as a batch of one element of zeros, for ``pmap`` (which cannot map
+  nothing), so values that do not depend on the batch can still be computed."""
   def grow(x, axis):
     if axis is None:
       return x
@@ -525,8 +523,9 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
   # jax caches pmapped functions by identity, keeping ``body`` alive: it must not hold tracers
   stateful.call = dataclasses.replace(stateful.call, dyn=())
   state_in = list(values)
-  for k, c in layout.split_streams:  # an empty batch runs as one element (see _one_of_zeros)
-    state_in[k] = split_per_element(values[k], values[c], max(layout.size, 1))
+  pad = layout.size == 0 and cfg.mapper is Mapper.PMAP  # pmap runs an empty batch as one element
+  for k, c in layout.split_streams:
+    state_in[k] = split_per_element(values[k], values[c], max(layout.size, 1) if pad else layout.size)
   stream_vars = {i for pair in layout.split_streams for i in pair}
   if cfg.mapper is Mapper.PMAP:
     devices = dict(cfg.pmap_kwargs).get('devices') or jax.local_devices(backend=dict(cfg.pmap_kwargs).get('backend'))
@@ -536,7 +535,7 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
         'pmap maps one element per device; use vmap, or shard_map/jit with shardings, or split the batch'
       )
   empty = layout.size == 0
-  if empty:
+  if pad:
     split = {k for k, _ in layout.split_streams}
     state_in = [x if i in split else _one_of_zeros([x], [a])[0] for i, (x, a) in enumerate(zip(state_in, layout.state_axes))]
     dyn_in = tuple(_one_of_zeros(list(dyn_in), list(layout.dyn_axes)))
@@ -568,6 +567,17 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
       jax.eval_shape(_vmap_of(cfg, layout, body), state_in, dyn_in)
       disc.restore(stateful.contents)
       run_mapped = _pmap_of(cfg, layout, body)
+    elif empty:
+      # an empty batch computes what does not depend on it, as jax.vmap does: the first trace
+      # decides what is batched, and the unbatched values leave with out_axes=None
+      jax.eval_shape(_vmap_of(cfg, layout, body), state_in, dyn_in)
+      disc.restore(stateful.contents)
+      d = decisions.get()
+      run_mapped = _vmap_of(cfg, layout, body, out_axes=(
+        [None if a is ONCE else 0 for a in d.placement],
+        [None if a is ONCE else 0 for a in d.new_placement],
+        [None if a is None else 0 for a in d.out_axes],
+      ))
     else:
       run_mapped = _vmap_of(cfg, layout, body)
     try:
@@ -577,9 +587,14 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
       raise
     decided = decisions.get()
     _check_out_rules(cfg, disc, decided)
-    written_now = [_place(v, a, empty) for v, a in zip(written_vals, decided.placement)]
-    new_now = [_place(v, a, empty) for v, a in zip(new_vals, decided.new_placement)]
-    leaves = [_place(x, ONCE if a is None else a, empty) for x, a in zip(out_leaves, decided.out_axes)]
+    def place(value, axis):
+      if pad and axis is not ONCE:  # the padded element goes: back to no elements
+        value = jax.tree.map(lambda x: x[:0], value)
+      return _place(value, axis, unstacked=empty and not pad)
+
+    written_now = [place(v, a) for v, a in zip(written_vals, decided.placement)]
+    new_now = [place(v, a) for v, a in zip(new_vals, decided.new_placement)]
+    leaves = [place(x, ONCE if a is None else a) for x, a in zip(out_leaves, decided.out_axes)]
     streams = [c for _, c in layout.split_streams]
     write_values(disc, decided.written + streams, written_now + [advanced_count(values[c]) for c in streams])
   result, attached = finish_call(disc, decided.attachments, new_now, decided.out_spec, leaves)
@@ -638,11 +653,11 @@ def _new_var_axis(cfg: MapConfig, variable, batched: bool):
   return 0
 
 
-def _vmap_of(cfg: MapConfig, layout: _Layout, body):
+def _vmap_of(cfg: MapConfig, layout: _Layout, body, out_axes=0):
   return jax.vmap(
     body,
     in_axes=(layout.state_axes, layout.dyn_axes),
-    out_axes=0,
+    out_axes=out_axes,
     axis_name=cfg.axis_name,
     axis_size=layout.size,
     spmd_axis_name=cfg.spmd_axis_name,
