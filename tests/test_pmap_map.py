@@ -92,3 +92,22 @@ def test_pmap_writing_a_broadcast_counter_traces_on_its_first_call_only():
   assert per_call == [2, 0, 0, 0]  # twice on the first call (documented), then none
   assert float(count[...]) == 4.0
   np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.pmap(lambda x: x * 2)(jnp.ones((2, 3)))))
+
+
+def test_a_counter_a_two_device_pmap_wrote_is_read_by_a_four_device_pmap_as_jax_pmap_reads_it():
+  step = lambda c, x: (c + 1.0, x * 2)  # noqa: E731
+  pure = jax.pmap(step, in_axes=(None, 0), out_axes=(None, 0))
+  c_ref = jnp.float32(0)
+  counter = nnx.Variable(jnp.float32(0))
+
+  def stateful(x):
+    counter[...], y = step(counter[...], x)
+    return y
+
+  f = bnx.pmap(stateful)
+  for n in (2, 4, 2):  # the counter moves between 2- and 4-device programs
+    x = jnp.arange(3.0 * n).reshape(n, 3)
+    c_ref, y_ref = pure(c_ref, x)
+    np.testing.assert_array_equal(f(x), y_ref)
+    assert float(counter[...]) == float(c_ref)
+  assert float(c_ref) == 3.0

@@ -32,12 +32,14 @@ from typing import Any, Callable, Hashable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from brainnx import _compat
 from brainnx._engine.arguments import ArgKind, CallArgs, StaticArgs
 from brainnx._engine.discovery import LIBRARY_DIRS, Discovery, RootKind, is_graph_node, key_name
-from brainnx._engine.eager import run
+from brainnx._engine.discovery import discover
+from brainnx._engine.eager import eager, run
 from brainnx._engine.errors import BatchAxisError
 from brainnx._engine.filters import AxisRules, mark_stacked, types_code
 from brainnx._engine.jitted import JitOptions
@@ -125,6 +127,15 @@ class MappedFunction:
     return mapped_call(self.config, args, kwargs)
 
   def __call__(self, *args, **kwargs):
+    try:
+      return run(MappedFunction._traced, (self,), (), args, kwargs, options=self._options)
+    except ValueError as e:
+      if self.config.mapper is not Mapper.PMAP or not eager() or 'incompatible devices' not in str(e):
+        raise
+    # jax.pmap takes inputs committed to other devices (a counter a 2-device pmap wrote, now read
+    # by a 4-device one), where the compiled program around it cannot: move them, as pmap would
+    _uncommit(discover(self.config.fn, args, kwargs).variables)
+    args, kwargs = jax.tree.map(_uncommitted, (args, kwargs))
     return run(MappedFunction._traced, (self,), (), args, kwargs, options=self._options)
 
   def __get__(self, obj, objtype=None):
@@ -136,6 +147,21 @@ class MappedFunction:
 
 
 # -- axes of arguments ---------------------------------------------------------------
+
+
+def _uncommitted(x):
+  """``x``, or a copy on the default device, uncommitted, when ``x`` is committed to devices."""
+  if isinstance(x, jax.Array) and x.committed and x.is_fully_addressable:
+    return jnp.asarray(np.asarray(x))
+  return x
+
+
+def _uncommit(variables) -> None:
+  for v in variables:
+    value = _compat.raw_value(v)
+    moved = jax.tree.map(_uncommitted, value)
+    if any(a is not b for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(value))):
+      _compat.set_raw_value(v, moved)
 
 
 def _positional_axes(in_axes, n_args: int) -> list:
