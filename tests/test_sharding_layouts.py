@@ -142,6 +142,26 @@ def test_shard_map_state_out_specs_apply_to_written_variables_only():
   assert float(scale[...]) == 2.0 and scale[...].shape == ()
 
 
+def test_a_per_shard_value_written_into_a_replicated_variable_comes_back_gathered():
+  """brainstate's sharded-data, replicated-state case: each shard writes its own (2,) value into
+  a Variable it read replicated; state_out_specs={P('d'): ...} puts the shards back together."""
+  mesh = _mesh(AxisType.Auto)
+  seen = nnx.Variable(jnp.zeros(2))
+
+  def f(x):
+    seen[...] = x + seen[...]  # a per-shard value
+    return x.sum(keepdims=True)
+
+  x = jnp.arange(8.0)
+  out = bnx.shard_map(f, mesh=mesh, in_specs=P('d'), out_specs=P('d'), state_out_specs={P('d'): ...})(x)
+  # the oracle: jax.shard_map on the pure function, the value in P() and out P('d')
+  want_seen, want_out = jax.shard_map(lambda s, x: (x + s, x.sum(keepdims=True)), mesh=mesh,
+                                      in_specs=(P(), P('d')), out_specs=(P('d'), P('d')))(jnp.zeros(2), x)
+  np.testing.assert_array_equal(out, want_out)
+  np.testing.assert_array_equal(seen[...], want_seen)
+  assert seen[...].shape == (8,) and seen[...].sharding.spec == P('d')
+
+
 def test_shard_map_state_out_spec_that_does_not_fit_a_written_variable_is_named():
   mesh = _mesh(AxisType.Auto)
   count = nnx.Variable(jnp.zeros(()))

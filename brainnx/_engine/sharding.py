@@ -32,7 +32,7 @@ from brainnx._engine.arguments import ArgKind, CallArgs
 from brainnx._engine.discovery import Discovery
 from brainnx._engine.filters import to_filter
 
-__all__ = ['Rules', 'arg_specs', 'check_divides', 'constrain', 'lay_out', 'layout_of', 'new_layout', 'place', 'resolve']
+__all__ = ['Rules', 'arg_specs', 'check_divides', 'check_gathers', 'constrain', 'lay_out', 'layout_of', 'new_layout', 'place', 'resolve']
 
 _SPEC_TYPES = (Sharding, PartitionSpec)
 
@@ -98,7 +98,15 @@ def check_divides(disc: Discovery, i: int, spec: PartitionSpec, mesh_shape: dict
     _check_shape(f'{what}: {disc.describe(i)}', tuple(getattr(leaf, 'shape', ())), spec, mesh_shape)
 
 
-def _check_shape(who: str, shape: tuple, spec: PartitionSpec, mesh_shape: dict) -> None:
+def check_gathers(disc: Discovery, i: int, value, spec: PartitionSpec, mesh_shape: dict, what: str) -> None:
+  """``ValueError`` naming Variable ``i`` if ``spec`` cannot put its per-shard ``value`` back
+  together (a mesh axis the mesh lacks, more dimensions than the value has): the shards are
+  concatenated, so any size fits."""
+  for leaf in _leaves(value):
+    _check_shape(f'{what}: {disc.describe(i)}', tuple(getattr(leaf, 'shape', ())), spec, mesh_shape, divides=False)
+
+
+def _check_shape(who: str, shape: tuple, spec: PartitionSpec, mesh_shape: dict, divides: bool = True) -> None:
   """``ValueError`` starting with ``who`` (``'what: the Variable'``) if ``spec`` does not fit."""
   for dim, axes in enumerate(spec):
     names = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
@@ -110,7 +118,7 @@ def _check_shape(who: str, shape: tuple, spec: PartitionSpec, mesh_shape: dict) 
       )
   if len(spec) > len(shape):
     raise ValueError(f'{who} has shape {shape}, but its spec {spec} names {len(spec)} dimension(s)')
-  for dim, axes in enumerate(spec):
+  for dim, axes in enumerate(spec if divides else ()):
     names = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
     size = math.prod(mesh_shape[a] for a in names)
     if shape[dim] % size:

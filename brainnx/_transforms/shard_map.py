@@ -32,7 +32,7 @@ from brainnx._engine.arguments import ArgKind, CallArgs
 from brainnx._engine.call import StatefulCall
 from brainnx._engine.discovery import discover
 from brainnx._engine.eager import eager, run
-from brainnx._engine.sharding import Rules, arg_specs, check_divides, constrain, place
+from brainnx._engine.sharding import Rules, arg_specs, check_divides, check_gathers, constrain, place
 from brainnx._engine.errors import check_callable
 
 __all__ = ['shard_map']
@@ -154,8 +154,8 @@ def _shard_map_impl(f, *rest, **kwargs):
     spec, leaves = step.split_out(disc)
     if spec.has_nodes:
       raise ValueError('shard_map: the function returns graph nodes or non-array values; return arrays')
-    for i in step.written:
-      check_divides(disc, i, specs_out[i], mesh_shape, 'shard_map: state_out_specs')
+    for i in step.written:  # per-shard values, put back together along the spec's axes
+      check_gathers(disc, i, step.values[i], specs_out[i], mesh_shape, 'shard_map: state_out_specs')
     written = set(step.written)
     var_out_specs[:] = [specs_out[i] if i in written else specs_in[i] for i in range(len(specs_in))]
     return list(step.values), jax.tree.unflatten(spec.treedef, leaves)
