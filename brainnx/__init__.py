@@ -1,6 +1,7 @@
 """brainnx: brainstate-style stateful transforms for Flax NNX."""
 
 from brainnx._transforms.autodiff import hessian, jacfwd, jacrev, jvp, vjp
+from brainnx._transforms.bounded_while import bounded_while_loop
 from brainnx._transforms.control import cond, ifelse, switch
 from brainnx._transforms.eval_shape import eval_shape
 from brainnx._engine.errors import BatchAxisError
@@ -32,6 +33,7 @@ __all__ = [
   'BatchAxisError',
   'ProgressBar',
   'StatefulFunction',
+  'bounded_while_loop',
   'checkpoint',
   'checkpointed_for_loop',
   'checkpointed_scan',

@@ -64,6 +64,11 @@ def _while_loop(f):
   return lambda x: bnx.while_loop(cond, body, (0, x))[1]
 
 
+def _bounded_while_loop(f):
+  cond, body = (lambda c: c[0] < 1), (lambda c: (c[0] + 1, f(c[1])))
+  return lambda x: bnx.bounded_while_loop(cond, body, (0, x), max_steps=3, base=2)[1]
+
+
 def _fori_loop(f):
   body = lambda i, c: f(c)  # noqa: E731
   return lambda x: bnx.fori_loop(0, 1, body, x)
@@ -104,6 +109,7 @@ TRANSFORMS = {
   'checkpointed_scan': (_checkpointed_scan, lambda f, x: twice(f(x))),
   'checkpointed_for_loop': (lambda f: lambda x: bnx.checkpointed_for_loop(f, twice(x)), lambda f, x: twice(f(x))),
   'while_loop': (_while_loop, lambda f, x: f(x)),
+  'bounded_while_loop': (_bounded_while_loop, lambda f, x: f(x)),
   'fori_loop': (_fori_loop, lambda f, x: f(x)),
   'cond': (lambda f: lambda x: bnx.cond(True, f, _identity, x), lambda f, x: f(x)),
   'switch': (lambda f: lambda x: bnx.switch(0, [f, _identity], x), lambda f, x: f(x)),
@@ -123,6 +129,7 @@ DIRECT = {
   'checkpointed_scan': lambda f: bnx.checkpointed_scan(f, 0.0, X),
   'checkpointed_for_loop': lambda f: bnx.checkpointed_for_loop(f, X),
   'while_loop': lambda f: bnx.while_loop(lambda c: c < 1, f, 0.0), 'fori_loop': lambda f: bnx.fori_loop(0, 1, f, 0.0),
+  'bounded_while_loop': lambda f: bnx.bounded_while_loop(lambda c: c < 1, f, 0.0, max_steps=2),
   'cond': lambda f: bnx.cond(True, f, f, X), 'switch': lambda f: bnx.switch(0, [f], X),
   'ifelse': lambda f: bnx.ifelse([True], [f], X), 'remat': lambda f: bnx.remat(f)(X),
   'eval_shape': lambda f: bnx.eval_shape(f, X),
@@ -674,6 +681,8 @@ LOOPS_WITH_BARS = {
   'checkpointed_scan': lambda f, bar: bnx.checkpointed_scan(lambda c, x: (c + f(x), None), 0.0, jnp.arange(8.0), pbar=bar)[0],
   'checkpointed_for_loop': lambda f, bar: bnx.checkpointed_for_loop(f, jnp.arange(8.0), pbar=bar),
   'fori_loop': lambda f, bar: bnx.fori_loop(0, 8, lambda i, c: c + f(i * 1.0), 0.0, pbar=bar),
+  'bounded_while_loop': lambda f, bar: bnx.bounded_while_loop(
+    lambda c: c[0] < 8, lambda c: (c[0] + 1, c[1] + f(c[0] * 1.0)), (0, 0.0), 8, pbar=bar)[1],
 }
 
 
@@ -725,6 +734,7 @@ REFUSES_CREATED = {
   'checkpointed_scan': lambda: bnx.checkpointed_scan(lambda c, x: (c, _build(x)), 0.0, X),
   'checkpointed_for_loop': lambda: bnx.checkpointed_for_loop(_build, X),
   'while_loop': lambda: bnx.while_loop(lambda c: c[0] < 1, lambda c: (c[0] + 1, _build(c[1])[0]), (0, X)),
+  'bounded_while_loop': lambda: bnx.bounded_while_loop(lambda c: c[0] < 1, lambda c: (c[0] + 1, _build(c[1])[0]), (0, X), 2),
   'fori_loop': lambda: bnx.fori_loop(0, 1, lambda i, c: _build(X)[0], 0),
   'cond': lambda: bnx.cond(True, _build, _build, X),
   'switch': lambda: bnx.switch(0, [_build, _build], X),

@@ -85,6 +85,7 @@ CASES = [
   ('for_loop in vmap', lambda w, k: bnx.vmap(lambda xs: bnx.for_loop(lambda x: fault(k, w, x), xs), in_axes=None, axis_size=2, state_out_axes={0: nnx.BatchStat})(XS)),
   ('while_loop', lambda w, k: bnx.while_loop(lambda i: i < 2, lambda i: (fault(k, w, X), i + 1)[1], 0)),
   ('fori_loop', lambda w, k: bnx.fori_loop(0, 3, lambda i, c: c + fault(k, w, X).sum(), 0.0)),
+  ('bounded_while_loop', lambda w, k: bnx.bounded_while_loop(lambda i: i < 2, lambda i: (fault(k, w, X), i + 1)[1], 0, 4, base=2)),
   ('grad', lambda w, k: bnx.grad(lambda x: fault(k, w, x).sum(), grad_states=w.mlp)(X)),
   ('value_and_grad in jit', lambda w, k: bnx.jit(bnx.value_and_grad(lambda x: fault(k, w, x).sum(), grad_states=nnx.Param))(X)),
   ('pmap', lambda w, k: bnx.pmap(lambda x: fault(k, w, x), state_out_axes={0: nnx.BatchStat})(XS)),

@@ -695,17 +695,10 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
   return run(_while_impl, (cond_fun, body_fun), (), (init_val,))
 
 
-def _while_impl(cond_fun, body_fun, init_val, name='while_loop'):
-  if _in_python():
-
-    def python_loop():
-      val = init_val
-      while cond_fun(val):
-        val = body_fun(val)
-      return val
-
-    return _all_or_nothing((cond_fun, body_fun), (init_val,), python_loop)
-
+def _while_parts(cond_fun, body_fun, init_val, name: str):
+  """``(body, cond_w, body_w)`` of a while loop over ``init_val``: the body's :class:`_Body` and
+  the pure condition and step on the carry ``(written values, loop-value leaves)``, checked as
+  ``jax.lax.while_loop`` checks them (and ``cond_fun`` may only read)."""
   disc = discover((cond_fun, body_fun), (init_val,), {})
   body = _Body(body_fun, (init_val,), name, disc)
   cond = _Body(cond_fun, (init_val,), name, disc)
@@ -731,6 +724,21 @@ def _while_impl(cond_fun, body_fun, init_val, name='while_loop'):
     written, leaves = carry
     return body.run(written, leaves)
 
+  return body, cond_w, body_w
+
+
+def _while_impl(cond_fun, body_fun, init_val, name='while_loop'):
+  if _in_python():
+
+    def python_loop():
+      val = init_val
+      while cond_fun(val):
+        val = body_fun(val)
+      return val
+
+    return _all_or_nothing((cond_fun, body_fun), (init_val,), python_loop)
+
+  body, cond_w, body_w = _while_parts(cond_fun, body_fun, init_val, name)
   written, leaves = jax.lax.while_loop(cond_w, body_w, (body.initial_written(), _dyn_leaves(init_val)))
   body.write_back(written)
   return body.trace.out_spec.rebuild(list(leaves), body.disc)

@@ -39,7 +39,8 @@ __all__ = ['ProgressBar', 'check_pbar', 'runner_for']
 
 
 class ProgressBar:
-  """A progress bar for ``scan``, ``for_loop``, their checkpointed forms and ``fori_loop``.
+  """A progress bar for ``scan``, ``for_loop``, their checkpointed forms, ``fori_loop`` and
+  ``bounded_while_loop``.
 
   Pass it as a loop's ``pbar=`` argument (an int ``pbar=n`` is shorthand for
   ``ProgressBar(freq=n)``). Every execution of the loop opens its own tqdm
