@@ -10,6 +10,7 @@ eager module for values. (Many hosts: ``tests/test_transformer.py``.)
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
@@ -172,3 +173,76 @@ def test_shard_map_state_out_spec_that_does_not_fit_a_written_variable_is_named(
   with pytest.raises(ValueError, match=r"state_out_specs: Variable at \('count',\) has shape \(\), but its spec P\('d',\) names 1"):
     bnx.shard_map(bump, mesh=mesh, in_specs=P('d'), out_specs=None, state_out_specs={P('d'): ...})(jnp.arange(8.0))
   assert float(count[...]) == 0.0
+
+
+# -- sharding metadata of stacked layers, as flax's transform_metadata gives it ---------------
+
+
+class _ShardedBlock(nnx.Module):
+  def __init__(self, rngs):
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, 'model'))
+    self.lin = nnx.Linear(8, 8, kernel_init=init, rngs=rngs)
+
+  def __call__(self, x):
+    return jnp.tanh(self.lin(x))
+
+
+def _flax_stack(partition):
+  @nnx.split_rngs(splits=2)
+  @nnx.vmap(in_axes=0, out_axes=0, axis_size=2, transform_metadata={nnx.PARTITION_NAME: partition})
+  def make(rngs):
+    return _ShardedBlock(rngs)
+
+  return make(nnx.Rngs(0))
+
+
+def _train(stack, run_layers, steps=3):
+  opt = nnx.Optimizer(stack, optax.adam(1e-2), wrt=nnx.Param)
+  x = jnp.linspace(-1.0, 1.0, 32).reshape(4, 8)
+
+  def loss(stack):
+    return (run_layers(stack, x) ** 2).mean()
+
+  losses = []
+  for _ in range(steps):
+    value, grads = nnx.value_and_grad(loss)(stack)
+    opt.update(stack, grads)
+    losses.append(float(value))
+  return opt, losses
+
+
+@pytest.mark.parametrize('partition', [None, 'data'])
+def test_stacked_layers_carry_sharding_metadata_at_their_rank_as_flax_transform_metadata(partition):
+  mesh = jax.make_mesh((2, 2), ('data', 'model'), axis_types=(AxisType.Auto, AxisType.Auto))
+  with jax.set_mesh(mesh):
+    theirs = _flax_stack(partition)
+    rngs = nnx.Rngs(0)
+    meta = None if partition is None else {nnx.PARTITION_NAME: partition}
+    ours = bnx.vmap(lambda: _ShardedBlock(rngs), axis_size=2, transform_metadata=meta)()
+    for name in ('kernel', 'bias'):
+      mine, want = getattr(ours.lin, name), getattr(theirs.lin, name)
+      assert mine.get_metadata().get('out_sharding') == want.get_metadata().get('out_sharding'), name
+      assert mine[...].sharding.is_equivalent_to(want[...].sharding, mine[...].ndim), name
+      np.testing.assert_array_equal(mine[...], want[...])
+    assert ours.lin.kernel.get_metadata()['out_sharding'] == (partition, None, 'model')
+    # the optimizer built under the mesh follows the metadata: its moments are laid out as flax's
+    flax_layers = lambda stack, x: nnx.scan(lambda h, blk: (blk(h), None), in_axes=(nnx.Carry, 0))(x, stack)[0]  # noqa: E731
+    our_layers = lambda stack, x: bnx.scan(lambda h, _: (stack(h), None), x, None, state_in_axes={0: ...})[0]  # noqa: E731
+    our_opt, our_losses = _train(ours, our_layers)
+    their_opt, their_losses = _train(theirs, flax_layers)
+    np.testing.assert_allclose(our_losses, their_losses, rtol=1e-6)
+    mu, want_mu = our_opt.opt_state[0].mu['lin']['kernel'], their_opt.opt_state[0].mu['lin']['kernel']
+    assert mu[...].shape == (2, 8, 8)
+    assert mu[...].sharding.is_equivalent_to(want_mu[...].sharding, 3)
+    assert mu.get_metadata().get('out_sharding') == want_mu.get_metadata().get('out_sharding')
+    np.testing.assert_allclose(ours.lin.kernel[...], theirs.lin.kernel[...], rtol=1e-6)
+  # restoring through flax's abstract model: the shardings its metadata gives fit the arrays
+  def build():
+    rngs = nnx.Rngs(0)
+    return bnx.vmap(lambda: _ShardedBlock(rngs), axis_size=2, transform_metadata=meta)()
+
+  _, abstract = nnx.get_abstract_model(build, mesh)
+  _, want_abstract = nnx.get_abstract_model(lambda: _flax_stack(partition), mesh)
+  kernel, want_kernel = abstract['lin']['kernel'], want_abstract['lin']['kernel']
+  assert kernel.shape == want_kernel.shape == (2, 8, 8)
+  assert kernel.sharding.spec == want_kernel.sharding.spec == P(partition, None, 'model')

@@ -182,13 +182,21 @@ def _first_leaf(variable):
   return leaves[0] if leaves else None
 
 
-def mark_stacked(variable, axis: int, size: int) -> None:
-  """Record on ``variable`` that it is stacked on ``axis`` with ``size`` members."""
+def mark_stacked(variable, axis: int, size: int, partition_name=None) -> None:
+  """Record on ``variable`` that it is stacked on ``axis`` with ``size`` members; sharding
+  metadata one dimension short (``out_sharding``, as ``nnx.with_partitioning`` sets it for
+  one member) gains the new axis there, named ``partition_name`` (``None``: not sharded), as
+  ``nnx.vmap(..., transform_metadata={nnx.PARTITION_NAME: name})`` gives it."""
   leaf = _first_leaf(variable)
   if leaf is None or not jnp.ndim(leaf):
     return
   ndim = jnp.ndim(leaf)
   variable.set_metadata(stacked=Stacked(axis % ndim, size, ndim))
+  sharding = variable.get_metadata().get('out_sharding')
+  if isinstance(sharding, (tuple, list)) and len(sharding) == ndim - 1:
+    names = list(sharding)
+    names.insert(axis % ndim, partition_name)
+    variable.set_metadata(out_sharding=type(sharding)(names))
 
 
 def stacked_of(variable) -> Stacked | None:

@@ -108,6 +108,7 @@ class MapConfig:
   pmap_kwargs: tuple = ()
   statics: StaticArgs = StaticArgs()  # pmap's static_broadcasted_argnums
   donate_argnums: tuple = ()  # pmap's donate_argnums
+  partition_name: Hashable | None = None  # the mesh axis of the stacked axis in sharding metadata
 
   @property
   def name(self) -> str:
@@ -643,12 +644,12 @@ def _check_out_rules(cfg: MapConfig, disc: Discovery, decided: '_Decisions') -> 
 def _mark_stacked(cfg: MapConfig, decided: '_Decisions', result, size: int, attached: list) -> None:
   """Record the batch axis on every Variable this call built stacked: those of Modules created
   inside and returned, and those created inside that come out batched (``vmap_new_states``)."""
-  vmap_checks.mark_results(decided.out_spec, result, decided.out_axes, size)
+  vmap_checks.mark_results(decided.out_spec, result, decided.out_axes, size, cfg.partition_name)
   if not cfg.new_states:  # a sown Intermediate under plain vmap stays as flax would give it
     return
   for v, axis in zip(attached, decided.new_placement):
     if v is not None and axis is not ONCE:
-      mark_stacked(v, axis, size)
+      mark_stacked(v, axis, size, cfg.partition_name)
 
 
 def _new_var_axis(cfg: MapConfig, variable, batched: bool):
@@ -701,6 +702,19 @@ def _pmap_of(cfg: MapConfig, layout: _Layout, body):
   )
 
 
+def _partition_name(transform_metadata, name: str):
+  """The mesh axis ``transform_metadata`` (flax's ``{nnx.PARTITION_NAME: axis}``) gives the
+  stacked axis; ``None`` without it."""
+  if transform_metadata is None:
+    return None
+  if not isinstance(transform_metadata, dict) or set(transform_metadata) - {nnx.PARTITION_NAME}:
+    raise TypeError(
+      f'{name}: transform_metadata must be a dict {{nnx.PARTITION_NAME: mesh axis or None}} (the only '
+      f'key brainnx reads), got {transform_metadata!r}'
+    )
+  return transform_metadata.get(nnx.PARTITION_NAME)
+
+
 def map_config(name: str, *, state_in_axes, state_out_axes, unexpected_out_state_mapping, **fields) -> MapConfig:
   """A ``MapConfig`` from mapping transform ``name``'s public keywords (rules and policy
   normalised; an ``nnx.StateAxes`` in ``in_axes`` becomes the ``state_in_axes`` entries it means)."""
@@ -736,6 +750,7 @@ def vmap(
   state_in_axes: Any = None,
   state_out_axes: Any = None,
   unexpected_out_state_mapping: str = 'raise',
+  transform_metadata: dict | None = None,
 ) -> Callable:
   """Vectorizing map over arguments *and* the Variables ``fn`` reaches.
 
@@ -775,6 +790,11 @@ def vmap(
     unexpected_out_state_mapping: what happens to a broadcast Variable
       written with a per-element value: ``'raise'`` (default), ``'warn'`` or
       ``'ignore'``.
+    transform_metadata: ``{nnx.PARTITION_NAME: axis}``, as ``nnx.vmap``
+      takes it: the mesh axis that sharding metadata (``out_sharding``) of
+      Variables created stacked gives the new axis. Default ``None``: the
+      axis is inserted as ``None`` (not sharded), so the metadata keeps the
+      array's rank either way.
 
   Returns:
     The mapped function (reading and writing Variables as described), or,
@@ -817,6 +837,7 @@ def vmap(
     state_in_axes=state_in_axes,
     state_out_axes=state_out_axes,
     unexpected_out_state_mapping=unexpected_out_state_mapping,
+    partition_name=_partition_name(transform_metadata, 'vmap'),
   )
   return mapped('vmap', fn, config)
 
@@ -834,6 +855,7 @@ def vmap_new_states(
   state_in_axes: Any = None,
   state_out_axes: Any = None,
   unexpected_out_state_mapping: str = 'raise',
+  transform_metadata: dict | None = None,
 ) -> Callable:
   """``vmap`` whose Variables created inside ``fun`` come out stacked on axis 0.
 
@@ -864,6 +886,7 @@ def vmap_new_states(
     unexpected_out_state_mapping: for existing broadcast Variables written
       with a per-element value: ``'raise'`` (default), ``'warn'`` or
       ``'ignore'``.
+    transform_metadata: ``{nnx.PARTITION_NAME: axis}`` (see :func:`vmap`).
 
   Returns:
     The mapped function, or, when ``fun`` is ``None``, a decorator that
@@ -905,6 +928,7 @@ def vmap_new_states(
     unexpected_out_state_mapping=unexpected_out_state_mapping,
     new_states=True,
     state_tag=state_tag,
+    partition_name=_partition_name(transform_metadata, 'vmap_new_states'),
     state_to_exclude=AxisRules(state_to_exclude, 'state_to_exclude', 'vmap_new_states') if state_to_exclude is not None else None,
   )
   return mapped('vmap_new_states', fun, config)

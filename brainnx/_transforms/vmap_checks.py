@@ -161,7 +161,7 @@ def raise_clearer(name: str, error: ValueError) -> None:
   ) from error
 
 
-def mark_results(spec, result, out_axes: Sequence, size: int) -> None:
+def mark_results(spec, result, out_axes: Sequence, size: int, partition_name=None) -> None:
   """Give the Variables of Modules created inside the call, returned stacked, their record."""
   if not spec.new_nodes():
     return
@@ -180,7 +180,7 @@ def mark_results(spec, result, out_axes: Sequence, size: int) -> None:
       for path, var in named:
         axis = axes.get(tuple(path))
         if isinstance(axis, int) and isinstance(var, nnx.Variable):
-          mark_stacked(var, axis, size)
+          mark_stacked(var, axis, size, partition_name)
 
 
 def split_state_axes(in_axes, what: str = 'in_axes') -> tuple[Any, AxisRules]:
