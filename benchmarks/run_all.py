@@ -35,6 +35,7 @@ SCRIPTS = {
   'sharded_ensemble': ([], ['--quick'], True),
   'scaling': ([], ['--quick'], True),
   'transformer': (['--rounds', '5', '--steps-per-round', '3'], ['--quick'], False),
+  'brainstate_loops': ([], ['--rounds', '2'], True),
 }
 
 
