@@ -297,6 +297,17 @@ def resolve_out(out: str) -> Path:
   )
 
 
+def _check_writable(png: Path, out: str, parser) -> None:
+  """Create ``png``'s missing parent directories and check that the plot can be written there,
+  as an argparse error (exit 2) naming ``--out``."""
+  try:
+    png.parent.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    parser.error(f'--out {out}: cannot create the directory {png.parent} ({e.strerror})')
+  if not os.access(png.parent, os.W_OK) or (png.exists() and not os.access(png, os.W_OK)):
+    parser.error(f'--out {out}: {png if png.exists() else png.parent} is not writable')
+
+
 def plot(path: Path, preds: np.ndarray, data, adversarial: bool = False) -> None:
   """Data, truth, each member's mean, and the mixture mean ± 3 std, as the paper's Figure 1."""
   import matplotlib
@@ -354,7 +365,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="add the paper's adversarial training (fast gradient sign, eps = 0.01 * range of x)")
   parser.add_argument('--out', default='.',
                       help='where the plot goes: an image path such as fig1.png (.png/.pdf/.svg/.jpg), '
-                           'or a directory for ensemble.png (default .)')
+                           'or a directory for ensemble.png (default .); missing directories are created, and '
+                           'a path that cannot be written is refused before training')
   parser.add_argument('--no-plot', action='store_true', help='skip the plot')
   parser.add_argument('--checkpoint-dir', type=Path, default=None,
                       help='save the ensemble, its optimizers and a fixed-size loss record here with orbax; '
@@ -474,6 +486,7 @@ def main(argv=None) -> dict:
       png = resolve_out(args.out)
     except ValueError as e:
       parser.error(str(e))
+    _check_writable(png, args.out, parser)  # before training, not after: a bad path loses nothing
   if png is not None and not _have_matplotlib():
     print('matplotlib is not installed, so no plot will be written '
           "(pip install matplotlib, or pip install 'brainnx[plot]'; --no-plot silences this)", file=sys.stderr)

@@ -249,3 +249,24 @@ def test_devices_split_the_members_and_equal_one_device(tmp_path, capsys):
   np.testing.assert_allclose(one['losses'], losses, rtol=1e-5, atol=1e-6)
   trained = nnx.to_pure_dict(nnx.state(two['ensemble'], nnx.Param))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), trained, params)
+
+
+def test_an_out_path_that_cannot_be_written_is_refused_before_training(tmp_path, capsys, monkeypatch):
+  trained = []
+  monkeypatch.setattr(demo, 'make_trainer', lambda *a, **k: trained.append(1))
+  with pytest.raises(SystemExit, match='^2$'):  # argparse's exit status, and nothing trained
+    demo.main(['--members', '2', '--steps', '5', '--out', '/proc/nope/x.png'])
+  err = capsys.readouterr().err
+  assert '--out /proc/nope/x.png: cannot create the directory /proc/nope' in err and 'Traceback' not in err
+  assert trained == []
+  locked = tmp_path / 'locked'
+  locked.mkdir()
+  locked.chmod(0o500)
+  try:
+    if os.access(locked, os.W_OK):  # root ignores permissions: nothing to check
+      return
+    with pytest.raises(SystemExit, match='^2$'):
+      demo.main(['--members', '2', '--steps', '5', '--out', str(locked / 'x.png')])
+    assert 'is not writable' in capsys.readouterr().err and trained == []
+  finally:
+    locked.chmod(0o700)

@@ -202,3 +202,28 @@ def test_nothing_in_the_repository_cites_a_document_outside_it():
       if outside.search(line) and name != 'tests/test_docs.py':  # this file names the patterns
         cited.append(f'{name}:{k}: {line.strip()[:120]}')
   assert not cited, '\n'.join(cited)
+
+
+def test_the_pages_quote_the_demos_own_defaults_and_run_its_many_device_command(tmp_path):
+  """The demo is described by its --help: what the README says of its members, steps and
+  checkpoint interval is the parser's, and no other page gives a default of its own."""
+  import os
+  import subprocess
+  import sys
+
+  from brainnx import demo
+
+  defaults = {a.dest.replace('_', '-'): a.default for a in demo._parser()._actions if a.default is not None}
+  readme = (ROOT / 'README.md').read_text()
+  assert f"{defaults['members']} members" in readme
+  assert f"{defaults['steps']:,} steps" in readme
+  for page in [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]:
+    for flag, value in re.findall(r'`--([\w-]+)`[^`\n]{0,20}\(default ([^),]+)\)', page.read_text()):
+      assert flag in defaults and value.strip() == str(defaults[flag]), (page.name, flag, value)
+  # the README's many-device command, exactly as written (4 CPU devices, as it says)
+  (command,) = re.findall(r'^XLA_FLAGS=(\S+) (python -m brainnx\.demo .*)$', readme, flags=re.M)
+  env = dict(os.environ, XLA_FLAGS=command[0], PYTHONPATH=str(ROOT))
+  out = subprocess.run([sys.executable, *command[1].split()[1:]], env=env, cwd=tmp_path, capture_output=True,
+                       text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert 'on 4 device(s) in 1 process(es)' in out.stdout and (tmp_path / 'ensemble.png').is_file()

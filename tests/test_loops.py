@@ -588,7 +588,7 @@ def test_fori_loop_index_has_lax_fori_loops_type_and_the_loop_its_result(lower, 
 
 @pytest.mark.parametrize('lower,upper', [(0, 2.5), (True, 3), (0, '3'), (jnp.int8(0), jnp.int16(3)), (0, jnp.ones(2, int))])
 def test_fori_loop_bounds_that_lax_refuses_are_type_errors(lower, upper):
-  with pytest.raises(TypeError):
+  with pytest.raises(TypeError, match='.'):  # the oracle; jax's words differ from case to case
     jax.lax.fori_loop(lower, upper, lambda i, c: c, 0)
   with pytest.raises(TypeError, match='^fori_loop: (lower|upper|lower and upper) must'):
     bnx.fori_loop(lower, upper, lambda i, c: c, 0)
