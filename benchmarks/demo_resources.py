@@ -53,7 +53,7 @@ def main(argv=None) -> None:
     ]
     for label, cmd in runs:
       rows.append((label, *measure(cmd, work)))
-  rows.append(('pytest tests/test_properties.py', *measure([sys.executable, '-m', 'pytest', '-q',
+  rows.append(('pytest tests/test_properties.py', *measure([sys.executable, '-m', 'pytest', '-q', '-n', '0',
                                                              'tests/test_properties.py'], ROOT)))
   base = rows[1][3]
   lines = ['### Demo and property tests, one fresh process each', '',

@@ -247,7 +247,7 @@ def run_mutant(mutant: Mutant, tests: tuple[str, ...], timeout: int) -> bool:
       raise SystemExit(f'{mutant.name}: the patch does not apply once to {mutant.file} (found {text.count(mutant.old)})')
     path.write_text(text.replace(mutant.old, mutant.new))
     env = dict(os.environ, PYTHONPATH=str(dest), PYTHONDONTWRITEBYTECODE='1')
-    cmd = [sys.executable, '-m', 'pytest', '-q', '-x', '-p', 'no:cacheprovider', '--no-header', *tests]
+    cmd = [sys.executable, '-m', 'pytest', '-q', '-x', '-n', '0', '-p', 'no:cacheprovider', '--no-header', *tests]
     try:
       done = subprocess.run(cmd, cwd=dest, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
