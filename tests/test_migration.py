@@ -218,6 +218,35 @@ def test_a_split_stream_broadcast_into_vmap_is_refused_with_the_way_to_map_it():
   np.testing.assert_allclose(ours.kernel[...], flax.kernel[...], rtol=1e-6)
 
 
+class _Dropped(nnx.Module):
+  def __init__(self):
+    self.lin = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+    self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1))
+
+  def __call__(self, x):
+    return self.drop(self.lin(x))
+
+
+def test_a_flax_state_axes_mapping_an_unsplit_stream_is_told_to_drop_it():
+  """A flax port without nnx.split_rngs: the hint, pasted, gives one mask per element as flax's
+  split_rngs + vmap does (broadcasting the stream would give every element the same mask)."""
+  xs = jnp.ones((4, 3))
+  flax_axes = nnx.StateAxes({'dropout': 0, ...: None})
+  with pytest.raises(ValueError, match=r"holds one key.*Drop the rule for it \(the 'dropout' entry of your nnx\.StateAxes"):
+    bnx.vmap(lambda m, x: m(x), in_axes=(flax_axes, 0))(_Dropped(), xs)
+  ours = bnx.vmap(lambda m, x: m(x), in_axes=(None, 0))(_Dropped(), xs)  # the StateAxes dropped
+
+  @nnx.split_rngs(splits=4, only='dropout')
+  @nnx.vmap(in_axes=(flax_axes, 0))
+  def theirs(m, x):
+    return m(x)
+
+  want = theirs(_Dropped(), xs)
+  masks, want_masks = np.asarray(ours) != 0, np.asarray(want) != 0
+  assert len({m.tobytes() for m in masks}) == 4  # one mask per element, as flax's
+  np.testing.assert_array_equal(masks, want_masks)  # and the same keys: split from the same stream
+
+
 # -- hints in code, never placeholders --------------------------------------------------------
 
 

@@ -166,13 +166,18 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
-_compat.refuse_nnx_flatten(
-  GradsByRoot,
-  lambda grads: (
-    f"these gradients are nested by root name ({', '.join(map(repr, grads.keys()))}): pass one "
-    "root's entry, e.g. optimizer.update(model, grads['model']) for grad_states=nnx.Param"
-  ),
-)
+def _nested_by_root(grads) -> str:
+  keys = list(grads.keys())
+  first = keys[0] if keys else 'model'
+  root = f'the argument {first}' if isinstance(first, int) else first
+  return (
+    f"these gradients are nested by root name ({', '.join(map(repr, keys))}): pass one root's entry "
+    f'to the optimizer of that root, e.g. optimizer.update({root if isinstance(first, str) else "model"}, '
+    f'grads[{first!r}]) for {root}'
+  )
+
+
+_compat.refuse_nnx_flatten(GradsByRoot, _nested_by_root)
 
 
 def _grad_leaf(var, grad):

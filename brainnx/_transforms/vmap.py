@@ -279,6 +279,15 @@ def _layout(cfg: MapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs
     for leaf in jax.tree.leaves(values[i]):
       shape = jnp.shape(leaf)
       norm = _normalized(axis, len(shape))
+      if norm is None and isinstance(disc.variables[i], (nnx.RngKey, nnx.RngCount)):
+        stream = disc.variables[i].get_metadata().get('tag') or disc.paths[i][-2]
+        raise ValueError(
+          f'{cfg.name}: {disc.describe(i)} is mapped on axis {axis} ({sources[i]}) but the stream '
+          f'holds one key (shape {tuple(shape)}), not one per element as nnx.split_rngs would leave it. '
+          f'Drop the rule for it (the {stream!r} entry of your nnx.StateAxes, or of state_in_axes): '
+          f'{cfg.name} splits {stream!r} per element by itself, one key each, as flax\'s '
+          'nnx.split_rngs + nnx.vmap does'
+        )
       if norm is None:
         raise ValueError(
           f'{cfg.name}: {disc.describe(i)} is mapped on axis {axis} ({sources[i]}) but its value '
