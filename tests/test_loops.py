@@ -648,6 +648,23 @@ def test_bounded_while_loop_values_and_gradients_equal_a_masked_lax_scan(max_ste
   assert int(steps[...]) == taken
 
 
+@pytest.mark.parametrize('max_steps,base', [(5, 2), (7, 4), (20, 16)])
+def test_bounded_while_loop_stops_at_max_steps_between_powers_of_base(max_steps, base):
+  """The program has room for a power of base steps; the loop still runs exactly max_steps."""
+  steps = nnx.Variable(jnp.int32(0))
+
+  def body(c):
+    steps[...] += 1
+    return c * 1.5 + 1.0
+
+  out = bnx.bounded_while_loop(lambda c: c < 1e30, body, 0.0, max_steps, base=base)
+  want = 0.0
+  for _ in range(max_steps):  # the oracle: a Python loop of max_steps steps
+    want = want * 1.5 + 1.0
+  assert int(steps[...]) == max_steps
+  np.testing.assert_allclose(out, want, rtol=1e-6)
+
+
 def test_bounded_while_loop_draws_a_new_key_every_step_as_a_python_loop():
   rngs, plain = nnx.Rngs(3), nnx.Rngs(3)
 
