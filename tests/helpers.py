@@ -143,3 +143,28 @@ def demo_training_in_plain_jax(members: int, seed: int, steps: int, lr: float = 
     losses.append(member_losses)
     trained.append(params)
   return np.array(losses).T, jax.tree.map(lambda *a: np.stack(a), *trained)
+
+
+class SideBySidePage:
+  """A docs page of ``# <side>: <row>`` python blocks, the two sides of each row; ``run(row,
+  side)`` executes one block alone and returns its namespace (the tests' oracle compares them)."""
+
+  def __init__(self, path, sides: tuple[str, str]):
+    import re
+
+    self.path, self.found = path, {}
+    for block in re.findall(r'```python\n(.*?)```', path.read_text(), flags=re.S):
+      head = re.match(rf'# ({"|".join(sides)}): ([\w-]+)\n', block)
+      assert head, f'a block of docs/{path.name} does not name its side and row: {block[:60]!r}'
+      self.found[head.group(2), head.group(1)] = block
+
+  def __iter__(self):
+    return iter(self.found)
+
+  def __contains__(self, key) -> bool:
+    return key in self.found
+
+  def run(self, row: str, side: str) -> dict:
+    namespace = {'__name__': f'{self.path.stem}_{row}_{side}'.replace('-', '_')}
+    exec(compile(self.found[row, side], f'docs/{self.path.name} [{side}: {row}]', 'exec'), namespace)
+    return namespace

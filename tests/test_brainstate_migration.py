@@ -10,30 +10,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import SideBySidePage
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PAGE = (ROOT / 'docs' / 'brainstate.md').read_text()
 ROWS = ['state-value', 'read-states', 'auto-policy', 'environ', 'init-reset', 'bounded-while', 'random']
 HAVE_BRAINSTATE = importlib.util.find_spec('brainstate') is not None
 
 
-def _blocks() -> dict:
-  found = {}
-  for block in re.findall(r'```python\n(.*?)```', PAGE, flags=re.S):
-    head = re.match(r'# (brainstate|brainnx): ([\w-]+)\n', block)
-    assert head, f'a block of docs/brainstate.md does not name its side and row: {block[:60]!r}'
-    found[head.group(2), head.group(1)] = block
-  return found
-
-
-BLOCKS = _blocks()
+BLOCKS = SideBySidePage(ROOT / 'docs' / 'brainstate.md', ('brainstate', 'brainnx'))
 
 
 def _run(row: str, side: str) -> dict:
-  if side == 'brainstate' and not HAVE_BRAINSTATE:
-    return {}
-  namespace = {'__name__': f'brainstate_page_{row}_{side}'.replace('-', '_')}
-  exec(compile(BLOCKS[row, side], f'docs/brainstate.md [{side}: {row}]', 'exec'), namespace)
-  return namespace
+  """The block's namespace; ``{}`` for the brainstate side where brainstate is not installed."""
+  return BLOCKS.run(row, side) if side == 'brainnx' or HAVE_BRAINSTATE else {}
 
 
 def test_every_row_has_both_sides_and_the_page_is_in_the_toctree():

@@ -12,29 +12,13 @@ import pytest
 from flax import nnx
 
 import brainnx as bnx
-from helpers import assert_same_values, values_of
+from helpers import SideBySidePage, assert_same_values, values_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGE = (ROOT / 'docs' / 'migration.md').read_text()
 ROWS = ['vmap-stateaxes', 'split-rngs', 'scan-carry', 'scan-layers', 'broadcast-stream', 'cached-partial', 'grad-diffstate']
-
-
-def _blocks() -> dict:
-  found = {}
-  for block in re.findall(r'```python\n(.*?)```', PAGE, flags=re.S):
-    head = re.match(r'# (flax|brainnx): ([\w-]+)\n', block)
-    assert head, f'a block of docs/migration.md does not name its side and row: {block[:60]!r}'
-    found[head.group(2), head.group(1)] = block
-  return found
-
-
-BLOCKS = _blocks()
-
-
-def _run(row: str, side: str) -> dict:
-  namespace = {'__name__': f'migration_{row}_{side}'.replace('-', '_')}
-  exec(compile(BLOCKS[row, side], f'docs/migration.md [{side}: {row}]', 'exec'), namespace)
-  return namespace
+BLOCKS = SideBySidePage(ROOT / 'docs' / 'migration.md', ('flax', 'brainnx'))
+_run = BLOCKS.run
 
 
 def test_every_row_has_both_sides_and_the_page_is_in_the_toctree():

@@ -118,7 +118,9 @@ def _check_shape(who: str, shape: tuple, spec: PartitionSpec, mesh_shape: dict, 
       )
   if len(spec) > len(shape):
     raise ValueError(f'{who} has shape {shape}, but its spec {spec} names {len(spec)} dimension(s)')
-  for dim, axes in enumerate(spec if divides else ()):
+  if not divides:
+    return
+  for dim, axes in enumerate(spec):
     names = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
     size = math.prod(mesh_shape[a] for a in names)
     if shape[dim] % size:

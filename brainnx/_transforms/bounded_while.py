@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from brainnx._engine.eager import run
-from brainnx._transforms.loops import _check_callable, _dyn_leaves, _in_python, _split_pbar, _while_parts
-from brainnx._transforms.loops import _all_or_nothing
+from brainnx._transforms.loops import (
+  _all_or_nothing, _check_callable, _dyn_leaves, _in_python, _split_pbar, _while_parts,
+)
 from brainnx._transforms.progress import runner_for
 
 __all__ = ['bounded_while_loop']

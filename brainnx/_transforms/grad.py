@@ -167,13 +167,11 @@ jax.tree_util.register_pytree_with_keys(
 
 
 def _nested_by_root(grads) -> str:
-  keys = list(grads.keys())
-  first = keys[0] if keys else 'model'
-  root = f'the argument {first}' if isinstance(first, int) else first
+  keys = list(grads.keys()) or ['model']
+  holder = keys[0] if isinstance(keys[0], str) else 'model'  # a captured name, or the argument
   return (
     f"these gradients are nested by root name ({', '.join(map(repr, keys))}): pass one root's entry "
-    f'to the optimizer of that root, e.g. optimizer.update({root if isinstance(first, str) else "model"}, '
-    f'grads[{first!r}]) for {root}'
+    f'to the optimizer of that root, e.g. optimizer.update({holder}, grads[{keys[0]!r}])'
   )
 
 

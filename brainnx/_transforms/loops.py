@@ -779,7 +779,7 @@ def fori_loop(lower, upper, body_fun: Callable, init_val: Any, pbar=None) -> Any
     10
   """
   _check_callable(body_fun, 'fori_loop')
-  index_type = _index_dtype(lower, upper)
+  index_type = _index_type(lower, upper)
   try:
     lo, hi = int(lower), int(upper)
   except (TypeError, jax.errors.ConcretizationTypeError):
@@ -797,7 +797,7 @@ def _is_weak(x) -> bool:
   return bool(getattr(getattr(x, 'aval', x), 'weak_type', False))
 
 
-def _index_dtype(lower, upper):
+def _index_type(lower, upper):
   """``(dtype, weak)`` of ``fori_loop``'s index under traced bounds, checking the bounds as
   ``jax.lax.fori_loop`` does: scalars of one type, or two signed integer types of which one is
   weak (a Python int beside an int8 array)."""

@@ -49,7 +49,10 @@ class StepState:
 
 def check_scan_rules(state_in_axes, name: str) -> None:
   """Refuse, when the loop is called, ``state_in_axes`` that are not rules (``TypeError``, as
-  every transform refuses them) or axes a scan does not honour (``ValueError``)."""
+  every transform refuses them) or axes a scan does not honour (``ValueError``). Runs on every
+  call: rules keyed by 0 and None alone pass without being parsed."""
+  if isinstance(state_in_axes, dict) and all(k is None or (k == 0 and type(k) is int) for k in state_in_axes):
+    return
   for axis, _, flt in AxisRules(state_in_axes, 'state_in_axes', name).entries:
     if axis not in (None, 0):
       raise ValueError(
