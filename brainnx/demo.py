@@ -1,41 +1,52 @@
-"""The main job: Figure 1 of Deep Ensembles, an ensemble trained in one compiled loop.
+"""The main job: the whole Figure 1 of Deep Ensembles, twelve networks in one compiled loop.
 
 Run ``python -m brainnx.demo`` (``--help`` for flags). It reproduces the toy
 regression of Lakshminarayanan, Pritzel & Blundell, "Simple and Scalable
 Predictive Uncertainty Estimation using Deep Ensembles" (NeurIPS 2017),
 Figure 1: 20 points ``x ~ U[-4, 4]``, ``y = x**3 + eps`` with
-``eps ~ N(0, 3**2)``; 5 members, each one hidden layer of 100 ReLU units that
-predicts a mean and a variance (softplus + 1e-6), trained on the Gaussian
-negative log-likelihood with adam; ``--adversarial`` adds the paper's
-adversarial training (fast gradient sign, ``eps = 0.01 * range(x)``).
+``eps ~ N(0, 3**2)``; every network has one hidden layer of 100 ReLU units and
+predicts a mean and a variance (softplus + 1e-6). The figure's four panels are
+trained together:
 
-The members are built stacked by one ``brainnx.vmap`` over the constructor
-(every member draws its own initial keys), each gets its own adam state, and
-all of them train together in one ``brainnx.jit`` program: a
-``brainnx.for_loop`` over the steps with a ``brainnx.ProgressBar``. The run
-prints the predictive standard deviation of the ensemble (a uniform mixture of
-the members' Gaussians) inside the data range (``|x| <= 4``) and outside it
-(``4 < |x| <= 6``) with their ratio, and writes ``ensemble.png`` (data, the
-true function, the mixture mean ± 3 std) when matplotlib is installed.
+- (i) an ensemble of ``--members`` networks trained on the squared error of the
+  mean; its uncertainty is the empirical spread of their means;
+- (ii) one network trained on the Gaussian negative log-likelihood (NLL);
+- (iii) one network, NLL with the paper's adversarial training (fast gradient
+  sign at ``eps = 0.01 * range(x)``: the loss at ``x + eps * sign(d loss/d x)``
+  is added);
+- (iv) an ensemble of ``--members`` networks, NLL with adversarial training; its
+  prediction is the uniform mixture of the members' Gaussians.
 
-With ``--checkpoint-dir DIR`` the ensemble, its optimizers and a fixed-size
-record (step, first and last loss of every member) are saved with orbax every
+All ``2 * members + 2`` networks are built stacked by one ``brainnx.vmap`` over
+the constructor (each draws its own initial keys) and train in one
+``brainnx.jit`` program, a ``brainnx.for_loop`` over adam steps with a
+``brainnx.ProgressBar``; each network's loss and adversarial step are chosen by
+its row of the stack. The first layer's biases start uniform in ``[-1, 1]``
+(flax's default is zero, which puts every ReLU kink at ``x = 0`` at the start).
+The run prints, per panel, the predictive standard deviation inside the data
+(``|x| <= 4``) and its ratio on each side outside it, and the share of
+``[-6, 6]`` where ``y = x**3`` lies within ± 3 std; it writes the four panels
+to ``ensemble.png`` when matplotlib is installed.
+
+With ``--checkpoint-dir DIR`` the networks, their optimizers and a fixed-size
+record (step, first and last loss of every network) are saved with orbax every
 ``--checkpoint-every`` steps, and each chunk's losses are appended to
 ``DIR/losses.f32``, so a save costs the same at step 100 as at step 100,000.
 Running the same command again resumes from the latest checkpoint, and the
 resumed run ends exactly where an uninterrupted one does.
 
-With ``--devices N`` the members are split over the first N devices (a mesh
+With ``--devices N`` the networks are split over the first N devices (a mesh
 axis ``'ens'``; on CPU, ``XLA_FLAGS=--xla_force_host_platform_device_count=N``
 makes N devices). With ``--distributed HOST:PORT --num-processes P
 --process-id I`` the same training runs as one of P processes under
-``jax.distributed.initialize`` (gloo collectives on CPU), the members split over
-every process's devices; the result equals a one-process run.
+``jax.distributed.initialize`` (gloo collectives on CPU), the networks split
+over every process's devices.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -56,17 +67,22 @@ DATA_RANGE = 4.0  # x ~ U[-DATA_RANGE, DATA_RANGE]
 GRID_RANGE = 6.0  # predictions on [-GRID_RANGE, GRID_RANGE]
 NOISE_STD = 3.0
 MIN_VARIANCE = 1e-6
+HIDDEN = 100
+LEARNING_RATE = 3e-3
+ADVERSARIAL_FRACTION = 0.01  # the paper's eps: 1% of the range of the training inputs
 
 
 class MLP(nnx.Module):
   """1 -> ``hidden`` ReLU -> (mean, variance): the paper's toy network.
 
   ``model(x)`` for ``x`` of shape ``(n, 1)`` is ``(n, 2)``: column 0 the mean,
-  column 1 the variance ``softplus(.) + 1e-6``.
+  column 1 the variance ``softplus(.) + 1e-6``. The hidden biases start
+  uniform in ``[-1, 1]``, so the ReLU kinks start spread over the inputs.
   """
 
   def __init__(self, hidden: int, *, rngs: nnx.Rngs):
-    self.l1 = nnx.Linear(1, hidden, rngs=rngs)
+    spread = nnx.initializers.uniform(2.0)
+    self.l1 = nnx.Linear(1, hidden, bias_init=lambda k, s, d: spread(k, s, d) - 1.0, rngs=rngs)
     self.l2 = nnx.Linear(hidden, 2, rngs=rngs)
 
   def __call__(self, x):
@@ -93,54 +109,117 @@ def gaussian_nll(out, y):
   return (0.5 * jnp.log(var) + 0.5 * (y - mean) ** 2 / var).mean()
 
 
-def build(members: int, seed: int, hidden: int = 100, lr: float = 1e-2):
-  """The stacked ensemble (one ``bnx.vmap`` over the constructor) and one adam optimizer per member."""
+def squared_error(out, y):
+  """Mean squared error of the predicted mean ``out[:, 0]`` (the variance column is unused)."""
+  return ((out[:, :1] - y) ** 2).mean()
+
+
+@dataclasses.dataclass(frozen=True)
+class Panel:
+  """One panel of Figure 1: its rows of the network stack and how they train."""
+
+  label: str
+  rows: slice
+  nll: bool  # trained on the Gaussian NLL; else on the squared error of the mean
+  adversarial: bool
+
+  @property
+  def size(self) -> int:
+    return self.rows.stop - self.rows.start
+
+  @property
+  def title(self) -> str:
+    who = f'Ensemble of {self.size}' if self.size > 1 else 'One network'
+    return f'{self.label} {who} ({"NLL" if self.nll else "MSE"}{" + adversarial" if self.adversarial else ""})'
+
+
+def figure_panels(members: int) -> tuple[Panel, ...]:
+  """The four panels of Figure 1 over a stack of ``2 * members + 2`` networks."""
+  m = members
+  return (Panel('(i)', slice(0, m), nll=False, adversarial=False),
+          Panel('(ii)', slice(m, m + 1), nll=True, adversarial=False),
+          Panel('(iii)', slice(m + 1, m + 2), nll=True, adversarial=True),
+          Panel('(iv)', slice(m + 2, 2 * m + 2), nll=True, adversarial=True))
+
+
+def roles(panels) -> tuple[np.ndarray, np.ndarray]:
+  """Per network of the stack: trained on the NLL? with the adversarial step? (two bool arrays)."""
+  nll = np.concatenate([np.full(p.size, p.nll) for p in panels])
+  adversarial = np.concatenate([np.full(p.size, p.adversarial) for p in panels])
+  return nll, adversarial
+
+
+def build(networks: int, seed: int, hidden: int = HIDDEN, lr: float = LEARNING_RATE):
+  """The stacked networks (one ``bnx.vmap`` over the constructor) and one adam optimizer per network."""
   rngs = nnx.Rngs(seed)
-  ensemble = bnx.vmap(lambda: MLP(hidden, rngs=rngs), axis_size=members)()
+  ensemble = bnx.vmap(lambda: MLP(hidden, rngs=rngs), axis_size=networks)()
   optimizers = bnx.vmap(lambda m: nnx.Optimizer(m, optax.adam(lr), wrt=nnx.Param))(ensemble)
   return ensemble, optimizers
 
 
-def make_trainer(ensemble, optimizers, mesh=None, adversarial: float | None = None):
-  """``run(steps, x, y) -> losses (steps, members)``: ``steps`` adam steps of every member in one
+def network_loss(model, x, y, nll):
+  """The Gaussian NLL where ``nll`` is true, else the squared error of the mean."""
+  out = model(x)
+  return jnp.where(nll, gaussian_nll(out, y), squared_error(out, y))
+
+
+def training_loss(model, x, y, nll, adversarial, epsilon: float):
+  """``network_loss``, plus the same loss at the fast-gradient-sign point
+  ``x + epsilon * sign(d loss / dx)`` where ``adversarial`` is true (the paper's adversarial
+  training; ``epsilon == 0`` leaves it out of the program)."""
+  loss = network_loss(model, x, y, nll)
+  if not epsilon:
+    return loss
+  dx = bnx.grad(lambda x: network_loss(model, x, y, nll))(x)
+  return loss + jnp.where(adversarial, network_loss(model, x + epsilon * jnp.sign(dx), y, nll), 0.0)
+
+
+def make_trainer(ensemble, optimizers, panels, epsilon: float, mesh=None, progress: bool = True):
+  """``run(steps, x, y) -> losses (steps, networks)``: ``steps`` adam steps of every network in one
   compiled loop (one program per distinct ``steps``), with a progress bar.
 
-  ``adversarial=eps`` adds the loss at the fast-gradient-sign point ``x + eps * sign(d loss / dx)``
-  (the paper's adversarial training). The parameters and adam state are donated
+  Each network trains as its panel says (``roles``). The parameters and adam state are donated
   (``donate_states=True``): XLA updates them in place. With a ``mesh`` (axis ``'ens'``) every
   Variable is laid out ``P('ens')`` (``state_shardings``), so each device holds and steps its own
-  members (``spmd_axis_name='ens'``).
+  networks (``spmd_axis_name='ens'``).
   """
+  # the bar's losses: means over panel (i) and panel (iv), as weights (a slice of networks split
+  # over devices is not a thing every layout allows)
+  first, last = (np.zeros(sum(p.size for p in panels), np.float32) for _ in range(2))
+  first[panels[0].rows], last[panels[-1].rows] = 1 / panels[0].size, 1 / panels[-1].size
 
-  def loss_fn(model, x, y):
-    loss = gaussian_nll(model(x), y)
-    if adversarial:
-      dx = bnx.grad(lambda x: gaussian_nll(model(x), y), argnums=0)(x)
-      loss = loss + gaussian_nll(model(x + adversarial * jnp.sign(dx)), y)
-    return loss
-
-  @bnx.vmap(in_axes=(0, 0, None, None), spmd_axis_name=None if mesh is None else 'ens')
-  def train_step(model, opt, x, y):
-    loss, grads = bnx.value_and_grad(loss_fn, argnums=0)(model, x, y)
+  @bnx.vmap(in_axes=(0, 0, 0, 0, None, None), spmd_axis_name=None if mesh is None else 'ens')
+  def train_step(model, opt, nll, adversarial, x, y):
+    loss, grads = bnx.value_and_grad(training_loss, argnums=0)(model, x, y, nll, adversarial, epsilon)
     opt.update(model, grads)
     return loss
 
   bars = {}  # one progress bar per loop length, made when that loop is traced
 
-  def loop(steps: int, x, y):
+  def summary(d):
+    return {'mse': (d['y'] * first).sum(), 'nll': (d['y'] * last).sum()}
+
+  def loop(steps: int, x, y, nll, adversarial):
     pbar = bars.setdefault(steps, bnx.ProgressBar(
-      count=min(20, steps), disable=jax.process_index() != 0,
-      desc=('nll (mean over members) {loss:.3f}', lambda d: {'loss': d['y'].mean()})))
+      count=min(20, steps), disable=not progress or jax.process_index() != 0,
+      desc=('loss: (i) {mse:.1f}, (iv) {nll:.3f}', summary)))
     # numpy step indices: the same value in every process, as jax.distributed needs
-    return bnx.for_loop(lambda _: train_step(ensemble, optimizers, x, y), np.arange(steps), pbar=pbar)
+    return bnx.for_loop(lambda _: train_step(ensemble, optimizers, nll, adversarial, x, y),
+                        np.arange(steps), pbar=pbar)
 
   layout = None if mesh is None else {NamedSharding(mesh, P('ens')): ...}
-  return bnx.jit(loop, static_argnums=0, donate_states=True, state_shardings=layout)
+  compiled = bnx.jit(loop, static_argnums=0, donate_states=True, state_shardings=layout)
+  network_roles = roles(panels) if mesh is None else shard_rows(mesh, *roles(panels))
+
+  def run(steps: int, x, y):
+    return compiled(steps, x, y, *network_roles)
+
+  return run
 
 
-def adversarial_epsilon(x) -> float:
-  """The paper's step: 1% of the range of the training inputs."""
-  return 0.01 * float(np.ptp(np.asarray(x)))
+def adversarial_epsilon(x, fraction: float = ADVERSARIAL_FRACTION) -> float:
+  """The adversarial step: ``fraction`` of the range of the training inputs (the paper's 1%)."""
+  return fraction * float(np.ptp(np.asarray(x)))
 
 
 def make_mesh(devices: int | None):
@@ -160,6 +239,12 @@ def replicate(mesh, *arrays):
   return tuple(jax.make_array_from_callback(np.shape(a), sharding, lambda i, a=np.asarray(a): a[i]) for a in arrays)
 
 
+def shard_rows(mesh, *arrays):
+  """The same arrays split by their first axis over the mesh axis ``'ens'``, as the networks are."""
+  sharding = NamedSharding(mesh, P('ens'))
+  return tuple(jax.make_array_from_callback(np.shape(a), sharding, lambda i, a=np.asarray(a): a[i]) for a in arrays)
+
+
 def to_host(x) -> np.ndarray:
   """A numpy copy of ``x``, gathered from every process when it spans several."""
   if getattr(x, 'is_fully_addressable', True):
@@ -169,20 +254,27 @@ def to_host(x) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def train(members: int = 5, steps: int = 5000, seed: int = 0, hidden: int = 100, lr: float = 1e-2,
-          adversarial: bool = False):
-  """Train the ensemble; returns (ensemble, per-step losses of shape (steps, members), data)."""
+def train(members: int = 5, steps: int = 3000, seed: int = 0, adversarial: float = ADVERSARIAL_FRACTION,
+          progress: bool = True) -> dict:
+  """``python -m brainnx.demo`` without the command line: trains the four panels' networks and
+  returns ``panels``, ``ensemble``, ``losses`` (steps, networks), ``predictions`` on the grid
+  (networks, 241, 2), ``reports`` (``std_report`` per panel) and ``data`` (x, y, grid)."""
   x, y, grid = make_data(seed)
-  ensemble, optimizers = build(members, seed, hidden, lr)
-  losses = make_trainer(ensemble, optimizers, adversarial=adversarial_epsilon(x) if adversarial else None)(steps, x, y)
-  return ensemble, losses, (x, y, grid)
+  panels = figure_panels(members)
+  ensemble, optimizers = build(2 * members + 2, seed)
+  run = make_trainer(ensemble, optimizers, panels, adversarial_epsilon(x, adversarial), progress=progress)
+  losses = to_host(run(steps, x, y))
+  preds = predict(ensemble, grid)
+  reports = [std_report(grid, *panel_prediction(panel, preds)) for panel in panels]
+  return {'panels': panels, 'ensemble': ensemble, 'losses': losses, 'predictions': preds,
+          'reports': reports, 'data': (x, y, grid)}
 
 
 # ------------------------------------------------------------------ predictions
 
 
 def predict(ensemble, grid) -> np.ndarray:
-  """Every member's (mean, variance) on ``grid``: shape ``(members, len(grid), 2)``."""
+  """Every network's (mean, variance) on ``grid``: shape ``(networks, len(grid), 2)``."""
   return to_host(bnx.vmap(lambda m, g: m(g), in_axes=(0, None))(ensemble, grid))
 
 
@@ -194,11 +286,39 @@ def mixture(preds: np.ndarray):
   return mean, np.sqrt(np.maximum(variance, 0.0))
 
 
-def std_report(grid, std) -> dict:
-  """Mean predictive std inside the data range (``|x| <= 4``) and outside it (``4 < |x| <= 6``)."""
-  g = np.abs(np.asarray(grid)[:, 0])
-  inside, outside = float(std[g <= DATA_RANGE].mean()), float(std[g > DATA_RANGE].mean())
-  return {'std_inside': inside, 'std_outside': outside, 'std_ratio': outside / inside}
+def panel_prediction(panel: Panel, preds: np.ndarray):
+  """A panel's predictive mean and std on the grid: the mixture of its networks' Gaussians, or for
+  networks trained on the squared error, the mean and spread (std) of their means."""
+  rows = preds[panel.rows]
+  if panel.nll:
+    return mixture(rows)
+  return rows[..., 0].mean(0), rows[..., 0].std(0)
+
+
+def std_report(grid, mean, std) -> dict:
+  """The predictive std inside the data (``|x| <= 4``) and its ratio on each side outside it
+  (``x < -4``, ``x > 4``); the share of the whole grid where ``x**3`` is within ± 3 std; the RMSE
+  of the mean against ``x**3`` inside the data."""
+  g = np.asarray(grid)[:, 0]
+  inside = np.abs(g) <= DATA_RANGE
+  std_inside = float(std[inside].mean())
+  left, right = float(std[g < -DATA_RANGE].mean()), float(std[g > DATA_RANGE].mean())
+  return {'std_inside': std_inside, 'std_left': left, 'std_right': right,
+          'ratio_left': left / std_inside, 'ratio_right': right / std_inside,
+          'covered': float((np.abs(target(g) - mean) <= 3 * std).mean()),
+          'rmse_inside': float(np.sqrt(((mean - target(g))[inside] ** 2).mean()))}
+
+
+def report_table(panels, reports, last_losses) -> str:
+  """The per-panel table the run prints (one line per panel)."""
+  lines = [f'{"panel":<40}{"loss":>8}{"std |x|<=4":>12}{"x<-4":>6}{"x>4":>6}{"x^3 in ±3 std":>15}']
+  for panel, r in zip(panels, reports):
+    loss = float(np.mean(last_losses[panel.rows]))
+    lines.append(f'{panel.title:<40}{loss:>8.3f}{r["std_inside"]:>12.2f}{r["ratio_left"]:>5.1f}x'
+                 f'{r["ratio_right"]:>5.1f}x{r["covered"]:>15.0%}')
+  lines.append(f'loss: at the last step, mean over the panel\'s networks; std: the predictive std inside\n'
+               f'the data and its ratio on each side outside it; the last column is a share of [-6, 6]')
+  return '\n'.join(lines)
 
 
 # ------------------------------------------------------------------ checkpoints
@@ -208,19 +328,20 @@ class Checkpoints:
   """Orbax checkpoints of ``{'model', 'optimizers', 'record'}`` plus the run's settings.
 
   Each checkpoint is a step folder of ``directory`` (the latest two are kept);
-  ``record`` is fixed-size (``first``, ``last``: each member's first and latest
+  ``record`` is fixed-size (``first``, ``last``: each network's first and latest
   loss), so every save writes the same number of bytes. The losses of every
-  step go to ``directory/losses.f32`` (float32, ``members`` per step),
+  step go to ``directory/losses.f32`` (float32, ``networks`` per step),
   appended once per chunk. ``restore`` loads into the given (freshly built)
   ensemble and optimizers with ``nnx.update``, so the Variables keep their
   identity.
   """
 
-  def __init__(self, directory: Path, settings: dict):
+  def __init__(self, directory: Path, settings: dict, networks: int):
     import orbax.checkpoint as ocp  # imported here: only runs that checkpoint pay for it
 
     self._ocp = ocp
     self.settings = settings
+    self.networks = networks
     self.directory = Path(directory).absolute()
     self.manager = ocp.CheckpointManager(
       self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
@@ -247,8 +368,7 @@ class Checkpoints:
 
   def restore(self, step: int, ensemble, optimizers) -> dict:
     ocp = self._ocp
-    members = self.settings['members']
-    record = {'first': np.zeros(members, np.float32), 'last': np.zeros(members, np.float32)}
+    record = {'first': np.zeros(self.networks, np.float32), 'last': np.zeros(self.networks, np.float32)}
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {
       'model': nnx.state(ensemble), 'optimizers': nnx.state(optimizers), 'record': record})
     state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))).state
@@ -256,14 +376,14 @@ class Checkpoints:
     nnx.update(optimizers, state['optimizers'])
     # a run stopped between appending a chunk's losses and saving its checkpoint logged steps
     # that the checkpoint does not hold: they are trained again, so drop them from the log
-    keep = step * members * 4
+    keep = step * self.networks * 4
     if self.log.exists() and self.log.stat().st_size > keep:
       os.truncate(self.log, keep)
     return {k: np.asarray(v) for k, v in state['record'].items()}
 
   def losses(self, step: int) -> np.ndarray:
-    """The logged losses of steps ``1..step``, shape ``(step, members)`` (NaN where the log lacks them)."""
-    members = self.settings['members']
+    """The logged losses of steps ``1..step``, shape ``(step, networks)`` (NaN where the log lacks them)."""
+    members = self.networks
     logged = np.fromfile(self.log, '<f4') if self.log.exists() else np.zeros(0, np.float32)
     out = np.full(step * members, np.nan, np.float32)
     out[: min(len(logged), len(out))] = logged[: len(out)]
@@ -308,8 +428,9 @@ def _check_writable(png: Path, out: str, parser) -> None:
     parser.error(f'--out {out}: {png if png.exists() else png.parent} is not writable')
 
 
-def plot(path: Path, preds: np.ndarray, data, adversarial: bool = False) -> None:
-  """Data, truth, each member's mean, and the mixture mean ± 3 std, as the paper's Figure 1."""
+def plot(path: Path, panels, preds: np.ndarray, data) -> None:
+  """The four panels side by side, as the paper's Figure 1: data, truth, each network's mean, and
+  the panel's predictive mean ± 3 std."""
   import matplotlib
 
   matplotlib.use('Agg')
@@ -317,28 +438,29 @@ def plot(path: Path, preds: np.ndarray, data, adversarial: bool = False) -> None
 
   x, y, grid = (np.asarray(a) for a in data)
   g = grid[:, 0]
-  mean, std = mixture(preds)
-  report = std_report(grid, std)
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  ax.axvspan(-GRID_RANGE, -DATA_RANGE, color='0.93', lw=0)
-  ax.axvspan(DATA_RANGE, GRID_RANGE, color='0.93', lw=0, label='outside the data range')
-  ax.fill_between(g, mean - 3 * std, mean + 3 * std, color='tab:grey', alpha=0.35, label='mixture mean ± 3 std')
-  for k, p in enumerate(preds[..., 0]):
-    ax.plot(g, p, color='tab:red', alpha=0.3, lw=0.8, label='member means' if k == 0 else None)
-  ax.plot(g, mean, color='tab:red', lw=2, label='mixture mean')
-  ax.plot(g, target(g), color='tab:blue', lw=1.5, label='$y = x^3$')
-  ax.scatter(x[:, 0], y[:, 0], s=18, color='black', zorder=3, label='training data (20 points)')
-  ax.set_xlim(-GRID_RANGE, GRID_RANGE)
-  ax.set_ylim(-300, 300)
-  ax.set_xlabel('x')
-  ax.set_ylabel('y')
-  kind = 'NLL + adversarial training' if adversarial else 'NLL'
-  ax.set_title(f'{len(preds)}-member ensemble ({kind}), brainnx + optax: '
-               f'std outside / inside the data = {report["std_ratio"]:.1f}', fontsize=10)
-  ax.legend(loc='upper left', fontsize=8)
+  fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), sharey=True)
+  for ax, panel in zip(axes, panels):
+    mean, std = panel_prediction(panel, preds)
+    report = std_report(grid, mean, std)
+    ax.axvspan(-GRID_RANGE, -DATA_RANGE, color='0.93', lw=0)
+    ax.axvspan(DATA_RANGE, GRID_RANGE, color='0.93', lw=0, label='no data')
+    ax.fill_between(g, mean - 3 * std, mean + 3 * std, color='tab:grey', alpha=0.35, label='mean ± 3 std')
+    if panel.size > 1:
+      for k, p in enumerate(preds[panel.rows, :, 0]):
+        ax.plot(g, p, color='tab:red', alpha=0.3, lw=0.8, label='network means' if k == 0 else None)
+    ax.plot(g, mean, color='tab:red', lw=2, label='predictive mean')
+    ax.plot(g, target(g), color='tab:blue', lw=1.5, label='$y = x^3$')
+    ax.scatter(x[:, 0], y[:, 0], s=12, color='black', zorder=3, label='data (20 points)')
+    ax.set_xlim(-GRID_RANGE, GRID_RANGE)
+    ax.set_ylim(-300, 300)
+    ax.set_xlabel('x')
+    ax.set_title(f'{panel.title}\nstd outside / inside: left {report["ratio_left"]:.1f}x, '
+                 f'right {report["ratio_right"]:.1f}x', fontsize=9)
+  axes[0].set_ylabel('y')
+  axes[0].legend(loc='upper left', fontsize=7)
   fig.tight_layout()
   path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=110)
+  fig.savefig(path, dpi=100)
   plt.close(fig)
 
 
@@ -356,29 +478,35 @@ def _have_matplotlib() -> bool:
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
     prog='python -m brainnx.demo',
-    description='Figure 1 of Deep Ensembles (Lakshminarayanan et al. 2017): an ensemble of Gaussian MLPs '
-                'on y = x^3 + noise, trained with brainnx and optax.')
-  parser.add_argument('--members', type=int, default=5, help='ensemble size (default 5, as in the paper)')
-  parser.add_argument('--steps', type=int, default=5000, help='total adam steps, full batch (default 5000)')
+    description='Figure 1 of Deep Ensembles (Lakshminarayanan et al. 2017), all four panels: MLPs on '
+                'y = x^3 + noise trained with squared error, Gaussian NLL and adversarial training, '
+                'every network in one program with brainnx and optax.')
+  parser.add_argument('--members', type=int, default=5,
+                      help='networks in each ensemble, panels (i) and (iv) (default 5, as in the paper); '
+                           '2 * members + 2 networks train in all')
+  parser.add_argument('--steps', type=int, default=3000, help='total adam steps, full batch (default 3000)')
   parser.add_argument('--seed', type=int, default=0, help='seed for data and initialisation')
-  parser.add_argument('--adversarial', action='store_true',
-                      help="add the paper's adversarial training (fast gradient sign, eps = 0.01 * range of x)")
+  parser.add_argument('--adversarial', type=float, nargs='?', const=ADVERSARIAL_FRACTION,
+                      default=ADVERSARIAL_FRACTION, metavar='FRACTION',
+                      help='the fast-gradient-sign step of panels (iii) and (iv) as a fraction of the range of x '
+                           f'(default {ADVERSARIAL_FRACTION}, the paper\'s; 0 turns adversarial training off; '
+                           'the bare flag keeps the default)')
   parser.add_argument('--out', default='.',
                       help='where the plot goes: an image path such as fig1.png (.png/.pdf/.svg/.jpg), '
                            'or a directory for ensemble.png (default .); missing directories are created, and '
                            'a path that cannot be written is refused before training')
   parser.add_argument('--no-plot', action='store_true', help='skip the plot')
   parser.add_argument('--checkpoint-dir', type=Path, default=None,
-                      help='save the ensemble, its optimizers and a fixed-size loss record here with orbax; '
+                      help='save the networks, their optimizers and a fixed-size loss record here with orbax; '
                            'if it already holds a checkpoint of the same run, resume from the latest one')
   parser.add_argument('--checkpoint-every', type=int, default=500,
                       help='steps between checkpoints with --checkpoint-dir (default 500)')
   parser.add_argument('--devices', type=int, default=None,
-                      help='split the members over the first N devices (a mesh axis "ens"; --members must be a '
-                           'multiple of N; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N)')
+                      help='split the networks over the first N devices (a mesh axis "ens"; 2 * --members + 2 '
+                           'must be a multiple of N; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N)')
   parser.add_argument('--distributed', metavar='HOST:PORT', default=None,
                       help='run as one process of a jax.distributed job whose coordinator (process 0) listens at '
-                           'HOST:PORT; the members are split over every process\'s devices')
+                           'HOST:PORT; the networks are split over every process\'s devices')
   parser.add_argument('--num-processes', type=int, default=None, help='with --distributed: how many processes')
   parser.add_argument('--process-id', type=int, default=None, help='with --distributed: this process\'s index')
   parser.add_argument('--save', type=Path, default=None,
@@ -400,6 +528,8 @@ def _check_flags(args, parser) -> None:
   for flag, value in (('--members', args.members), ('--steps', args.steps), ('--checkpoint-every', args.checkpoint_every)):
     if value < 1:
       parser.error(f'{flag} must be at least 1')
+  if not args.adversarial >= 0:
+    parser.error(f'--adversarial {args.adversarial}: the step is a fraction of the range of x, 0 or more')
   if args.devices is not None and args.devices < 1:
     parser.error('--devices must be at least 1')
   if args.distributed is None and (args.num_processes is not None or args.process_id is not None):
@@ -472,14 +602,18 @@ def main(argv=None) -> dict:
   if args.distributed is not None:
     _start_distributed(args, parser)
   lead = jax.process_index() == 0  # the process that reports, plots and saves
+  panels = figure_panels(args.members)
+  networks = 2 * args.members + 2
   mesh = None
   if args.devices is not None or args.distributed is not None:
     try:
       mesh = make_mesh(args.devices)
     except ValueError as e:
       parser.error(str(e))
-    if args.members % mesh.size:
-      parser.error(f'--members {args.members} must be a multiple of the {mesh.size} devices it is split over')
+    if networks % mesh.size:
+      fits = next(m for m in range(args.members, args.members + mesh.size) if (2 * m + 2) % mesh.size == 0)
+      parser.error(f'--members {args.members} makes {networks} networks (2 * members + 2), which do not split '
+                   f'evenly over {mesh.size} devices; --members {fits} does')
   png = None
   if not args.no_plot and lead:
     try:
@@ -493,19 +627,18 @@ def main(argv=None) -> dict:
     png = None
 
   start = time.perf_counter()
-  hidden, lr = 100, 1e-2
   x, y, grid = make_data(args.seed)
   host_data = tuple(np.asarray(a) for a in (x, y, grid))
-  ensemble, optimizers = build(args.members, args.seed, hidden, lr)
-  eps = adversarial_epsilon(x) if args.adversarial else None
+  ensemble, optimizers = build(networks, args.seed)
+  eps = adversarial_epsilon(x, args.adversarial)
   if mesh is not None:
     x, y, grid = replicate(mesh, x, y, grid)
-  run = make_trainer(ensemble, optimizers, mesh, adversarial=eps)
+  run = make_trainer(ensemble, optimizers, panels, eps, mesh)
   step, record, ckpt = 0, None, None  # step: the latest step trained (and saved, with checkpoints)
   if args.checkpoint_dir is not None:
-    settings = {'members': args.members, 'seed': args.seed, 'hidden': hidden, 'lr': lr,
-                'adversarial': bool(args.adversarial)}
-    ckpt = Checkpoints(args.checkpoint_dir, settings)
+    settings = {'members': args.members, 'seed': args.seed, 'hidden': HIDDEN, 'lr': LEARNING_RATE,
+                'adversarial': args.adversarial}
+    ckpt = Checkpoints(args.checkpoint_dir, settings, networks)
     latest = ckpt.latest_step()
     if latest is not None:
       saved = ckpt.saved_settings(latest)
@@ -536,42 +669,28 @@ def main(argv=None) -> dict:
   trained = step - resumed_at
 
   preds = predict(ensemble, grid)  # in every process: gathering is a collective
-  grid = host_data[2]
-  mean, std = mixture(preds)
-  report = std_report(grid, std)
-  g = grid[:, 0]
-  inside = np.abs(g) <= DATA_RANGE
-  rmse = float(np.sqrt(((mean - target(g))[inside] ** 2).mean()))
-  covered = float((np.abs(target(g) - mean) <= 3 * std)[inside].mean())
+  reports = [std_report(host_data[2], *panel_prediction(panel, preds)) for panel in panels]
   if png is not None:
-    plot(png, preds, host_data, adversarial=args.adversarial)
+    plot(png, panels, preds, host_data)
   if args.save is not None:  # every process gathers (a collective), the lead one writes
     flat = {'/'.join(map(str, path)): to_host(v.get_value()) for path, v in nnx.to_flat_state(nnx.state(ensemble))}
     if lead:
       np.savez(args.save, losses=history, **flat)
   result = {'losses': history, 'step': step, 'trained': trained, 'ensemble': ensemble, 'optimizers': optimizers,
-            'png': png, 'rmse_inside': rmse, 'covered_inside': covered, **report}
+            'png': png, 'panels': panels, 'reports': reports, 'predictions': preds}
   if not lead:
     return result
 
   where = '' if mesh is None else f' on {mesh.size} device(s) in {jax.process_count()} process(es)'
-  kind = 'Gaussian NLL + adversarial training' if args.adversarial else 'Gaussian NLL'
   if trained:
-    print(f'\ntrained {args.members} members ({kind}){where}: steps {resumed_at + 1}-{step} '
+    print(f'\ntrained {networks} networks (the four panels of Figure 1){where}: steps {resumed_at + 1}-{step} '
           f'in {time.perf_counter() - start:.1f} s')
   else:
     past = 'past' if step > args.steps else 'at'
     print(f'\nnothing to train: the checkpoint in {args.checkpoint_dir} is {past} step {step} '
           f'(--steps {args.steps}); the report below is of that checkpoint')
   last = history[-1] if len(history) else record['last']
-  first = history[0] if len(history) else record['first']
-  for k in range(args.members):
-    print(f'  member {k}: loss (NLL) {last[k]:.3f} at step {step} (first {first[k]:.3f})')
-  print(f'mixture mean on |x| <= {DATA_RANGE:g}: RMSE {rmse:.2f} against x^3; the truth is within ± 3 std '
-        f'on {covered:.0%} of that range')
-  print(f'predictive std: {report["std_inside"]:.2f} inside the data range (|x| <= {DATA_RANGE:g}), '
-        f'{report["std_outside"]:.2f} outside it ({DATA_RANGE:g} < |x| <= {GRID_RANGE:g}): '
-        f'ratio {report["std_ratio"]:.2f}')
+  print(report_table(panels, reports, last))
   if ckpt is not None:
     print(f'checkpoints in {args.checkpoint_dir} (latest: step {step}); the same command resumes from there')
   if png is not None:

@@ -1,5 +1,6 @@
 """Small models and comparison helpers shared by the tests."""
 
+import functools
 import threading
 
 import jax
@@ -107,40 +108,53 @@ def nnx_split_draws(seed, n):
   return draw(nnx.Rngs(seed))
 
 
-def demo_training_in_plain_jax(members: int, seed: int, steps: int, lr: float = 1e-2):
-  """The demo's training, member by member, in plain jax + optax on dicts of arrays: the oracle.
+def demo_training_in_plain_jax(members: int, seed: int, steps: int):
+  """The demo's training, network by network, in plain jax + optax on dicts of arrays: the oracle.
 
-  Starts from the demo's initial parameters (``demo.build``); returns the losses ``(steps,
-  members)`` and the trained parameters stacked as ``{'l1': {'kernel', 'bias'}, 'l2': ...}``.
+  The demo's four panels (``2 * members + 2`` networks): squared error for panel (i), the Gaussian
+  NLL for the rest, the fast-gradient-sign term for (iii) and (iv). Starts from the demo's
+  initial parameters (``demo.build``); returns the losses ``(steps, networks)`` and the trained
+  parameters stacked as ``{'l1': {'kernel', 'bias'}, 'l2': ...}``.
   """
   import optax
 
   from brainnx import demo
 
   x, y, _ = demo.make_data(seed)
-  ensemble, _ = demo.build(members, seed, lr=lr)
+  ensemble, _ = demo.build(2 * members + 2, seed)
   stacked = nnx.to_pure_dict(nnx.state(ensemble, nnx.Param))
-  tx = optax.adam(lr)
+  tx = optax.adam(demo.LEARNING_RATE)
+  eps = demo.ADVERSARIAL_FRACTION * float(x.max() - x.min())
 
-  def nll(params, x, y):
+  def loss(params, x, nll):
     out = mlp_pure(params, x)
     mean, var = out[:, :1], jax.nn.softplus(out[:, 1:]) + demo.MIN_VARIANCE
-    return jnp.mean(0.5 * jnp.log(var) + 0.5 * (y - mean) ** 2 / var)
+    if nll:
+      return jnp.mean(0.5 * jnp.log(var) + 0.5 * (y - mean) ** 2 / var)
+    return jnp.mean((y - mean) ** 2)
 
-  @jax.jit
-  def step(params, opt_state):
-    loss, grads = jax.value_and_grad(nll)(params, x, y)
+  def total(params, nll, adversarial):
+    value = loss(params, x, nll)
+    if adversarial:
+      x_adv = x + eps * jnp.sign(jax.grad(loss, argnums=1)(params, x, nll))
+      value = value + loss(params, x_adv, nll)
+    return value
+
+  @functools.partial(jax.jit, static_argnums=(2, 3))
+  def step(params, opt_state, nll, adversarial):
+    value, grads = jax.value_and_grad(total)(params, nll, adversarial)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+    return optax.apply_updates(params, updates), opt_state, value
 
+  nll_rows, adversarial_rows = demo.roles(demo.figure_panels(members))
   losses, trained = [], []
-  for k in range(members):
+  for k in range(2 * members + 2):
     params = jax.tree.map(lambda a: a[k], stacked)
-    opt_state, member_losses = tx.init(params), []
+    opt_state, network_losses = tx.init(params), []
     for _ in range(steps):
-      params, opt_state, loss = step(params, opt_state)
-      member_losses.append(float(loss))
-    losses.append(member_losses)
+      params, opt_state, value = step(params, opt_state, bool(nll_rows[k]), bool(adversarial_rows[k]))
+      network_losses.append(float(value))
+    losses.append(network_losses)
     trained.append(params)
   return np.array(losses).T, jax.tree.map(lambda *a: np.stack(a), *trained)
 

@@ -23,16 +23,41 @@ from helpers import demo_training_in_plain_jax
 ENV = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
 
 
-def test_demo_reproduces_figure_1(tmp_path, capsys):
+def test_demo_draws_the_four_panels_of_figure_1(tmp_path, capsys):
   result = demo.main(['--steps', '300', '--seed', '1', '--out', str(tmp_path)])
   assert result['png'] == tmp_path / 'ensemble.png' and result['png'].stat().st_size > 10_000
-  assert result['losses'].shape == (300, 5)  # the paper's 5 members
+  assert result['losses'].shape == (300, 12)  # 5 + 1 + 1 + 5 networks, the paper's panels
   assert np.all(result['losses'][-1] < result['losses'][0])
-  # the ensemble is more uncertain away from the data than on it
-  assert result['std_ratio'] > 1.0 and result['std_outside'] > result['std_inside'] > 0
+  assert [p.size for p in result['panels']] == [5, 1, 1, 5]
   text = capsys.readouterr().out
-  assert f'ratio {result["std_ratio"]:.2f}' in text and 'inside the data range (|x| <= 4)' in text
-  assert 'member 4: loss (NLL)' in text and 'wrote' in text
+  assert 'trained 12 networks (the four panels of Figure 1)' in text and 'wrote' in text
+  for panel, report in zip(result['panels'], result['reports']):
+    row = next(line for line in text.splitlines() if line.startswith(panel.title))
+    assert f'{report["ratio_left"]:.1f}x' in row and f'{report["covered"]:.0%}' in row
+  from PIL import Image  # matplotlib's own dependency
+
+  width, height = Image.open(result['png']).size
+  assert width > 3.5 * height  # four panels side by side
+
+
+@pytest.mark.parametrize('seed', [0, 1, 2])
+def test_the_ensemble_widens_outside_the_data_on_both_sides(seed):
+  """Panel (iv) at the default flags: the predictive std outside the data, on each side alone,
+  is well above the std inside it, for every seed tried (benchmarks/figure1_seeds.py: 20 seeds)."""
+  run = demo.train(seed=seed, progress=False)
+  ensemble_iv = run['reports'][3]
+  assert ensemble_iv['ratio_left'] > 1.5 and ensemble_iv['ratio_right'] > 1.5, ensemble_iv
+  assert ensemble_iv['covered'] > 0.6  # x^3 within ± 3 std on most of [-6, 6]
+  # the mixture is the members' Gaussians pooled: recompute it from the networks' outputs
+  members = run['predictions'][run['panels'][3].rows]
+  mean = members[..., 0].mean(0)
+  var = (members[..., 1] + members[..., 0] ** 2).mean(0) - mean**2
+  g = np.asarray(run['data'][2])[:, 0]
+  inside = np.sqrt(var)[np.abs(g) <= 4].mean()
+  np.testing.assert_allclose(np.sqrt(var)[g < -4].mean() / inside, ensemble_iv['ratio_left'], rtol=1e-5)
+  # panel (i) is the spread of the squared-error networks' means, not a mixture of variances
+  means_i = run['predictions'][run['panels'][0].rows][..., 0]
+  np.testing.assert_allclose(means_i.std(0)[np.abs(g) <= 4].mean(), run['reports'][0]['std_inside'], rtol=1e-5)
 
 
 def test_data_and_predictive_mixture_follow_the_paper():
@@ -44,34 +69,36 @@ def test_data_and_predictive_mixture_follow_the_paper():
   preds = np.array([[[0.0, 1.0]], [[2.0, 1.0]]])
   mean, std = demo.mixture(preds)
   np.testing.assert_allclose([mean[0], std[0]], [1.0, np.sqrt(2.0)])
+  panels = demo.figure_panels(3)
+  assert [(p.size, p.nll, p.adversarial) for p in panels] == [
+    (3, False, False), (1, True, False), (1, True, True), (3, True, True)]
+  nll, adversarial = demo.roles(panels)
+  assert nll.tolist() == [False] * 3 + [True] * 5 and adversarial.tolist() == [False] * 4 + [True] * 4
 
 
-def _plain_mlp(params, x):
-  h = jax.nn.relu(x @ params['l1']['kernel'] + params['l1']['bias'])
-  out = h @ params['l2']['kernel'] + params['l2']['bias']
-  return out[:, :1], jax.nn.softplus(out[:, 1:]) + 1e-6
-
-
-def _plain_nll(params, x, y):
-  mean, var = _plain_mlp(params, x)
-  return jnp.mean(0.5 * jnp.log(var) + 0.5 * (y - mean) ** 2 / var)
-
-
-@pytest.mark.parametrize('adversarial', [False, True])
-def test_first_step_loss_is_the_papers_loss_in_plain_jax(adversarial):
-  members, seed = 3, 2
+@pytest.mark.parametrize('fraction', [None, '0.05', '0'])
+def test_first_step_losses_are_the_papers_losses_in_plain_jax(fraction):
+  """Every panel's loss (squared error, NLL, NLL + fast gradient sign) at the first step, network
+  by network, against the same loss written in plain jax on the demo's initial parameters."""
+  members, seed = 2, 2
   x, y, _ = demo.make_data(seed)
-  ensemble, _ = demo.build(members, seed)
+  ensemble, _ = demo.build(2 * members + 2, seed)
   stacked = nnx.to_pure_dict(nnx.state(ensemble, nnx.Param))
-  result = demo.main(['--members', str(members), '--steps', '2', '--seed', str(seed), '--no-plot']
-                     + ['--adversarial'] * adversarial)
-  eps = 0.01 * float(x.max() - x.min())
-  for k in range(members):
+  flags = [] if fraction is None else ['--adversarial', fraction]
+  result = demo.main(['--members', str(members), '--steps', '2', '--seed', str(seed), '--no-plot'] + flags)
+  eps = float(fraction or 0.01) * float(x.max() - x.min())
+
+  def loss(params, x, nll):
+    out = jax.nn.relu(x @ params['l1']['kernel'] + params['l1']['bias']) @ params['l2']['kernel']
+    mean, var = out[:, :1] + params['l2']['bias'][0], jax.nn.softplus(out[:, 1:] + params['l2']['bias'][1]) + 1e-6
+    return jnp.mean(0.5 * jnp.log(var) + 0.5 * (y - mean) ** 2 / var) if nll else jnp.mean((y - mean) ** 2)
+
+  kinds = [(False, False)] * members + [(True, False), (True, True)] + [(True, True)] * members
+  for k, (nll, adversarial) in enumerate(kinds):
     params = jax.tree.map(lambda a: a[k], stacked)
-    expect = _plain_nll(params, x, y)
-    if adversarial:  # fast gradient sign: the loss again at x + eps * sign(d loss / d x)
-      x_adv = x + eps * jnp.sign(jax.grad(lambda x: _plain_nll(params, x, y))(x))
-      expect = expect + _plain_nll(params, x_adv, y)
+    expect = loss(params, x, nll)
+    if adversarial and eps:  # fast gradient sign: the loss again at x + eps * sign(d loss / d x)
+      expect = expect + loss(params, x + eps * jnp.sign(jax.grad(loss, argnums=1)(params, x, nll)), nll)
     np.testing.assert_allclose(result['losses'][0, k], expect, rtol=1e-5)
 
 
@@ -81,14 +108,15 @@ def test_demo_module_entry_point(tmp_path):
     capture_output=True, text=True, timeout=300, env=ENV,
   )
   assert out.returncode == 0, out.stderr
-  assert (tmp_path / 'ensemble.png').exists() and 'predictive std' in out.stdout
+  assert (tmp_path / 'ensemble.png').exists() and '(iv) Ensemble of 2 (NLL + adversarial)' in out.stdout
 
 
 @pytest.mark.parametrize('flags,message', [
   (['--members', '0'], '--members must be at least 1'), (['--steps', 'many'], 'invalid int'),
   (['--bogus'], 'unrecognized'), (['--checkpoint-every', '0'], '--checkpoint-every must be'),
   (['--devices', '0'], '--devices must be'), (['--devices', '64'], 'only'),
-  (['--members', '6', '--devices', '4'], 'multiple of'), (['--process-id', '0'], 'go with --distributed'),
+  (['--members', '6', '--devices', '4'], r'14 networks \(2 \* members \+ 2\).*--members 7 does'),
+  (['--adversarial', '-0.1'], '0 or more'), (['--process-id', '0'], 'go with --distributed'),
   (['--distributed', '127.0.0.1:1'], 'needs --num-processes'),
   (['--out', 'x.gif'], r"'\.gif' is not an image type"),
 ])
@@ -128,10 +156,10 @@ def _record_shapes(directory: pathlib.Path, step: int):
 def test_checkpoint_resume_equals_uninterrupted(tmp_path, capsys):
   flags = ['--members', '2', '--steps', '30', '--checkpoint-every', '10', '--no-plot']
   whole = demo.main(flags + ['--checkpoint-dir', str(tmp_path / 'a')])
-  assert whole['step'] == 30 and whole['losses'].shape == (30, 2) and whole['trained'] == 30
+  assert whole['step'] == 30 and whole['losses'].shape == (30, 6) and whole['trained'] == 30
   # every checkpoint holds the same fixed-size arrays (no growing loss history)
   assert _record_shapes(tmp_path / 'a', 20) == _record_shapes(tmp_path / 'a', 30)
-  assert _record_shapes(tmp_path / 'a', 30)['record'] == {'first': (2,), 'last': (2,)}
+  assert _record_shapes(tmp_path / 'a', 30)['record'] == {'first': (6,), 'last': (6,)}
   # interrupted after the checkpoint at step 10, then the same command again
   demo.main(['--members', '2', '--steps', '10', '--checkpoint-every', '10', '--no-plot',
              '--checkpoint-dir', str(tmp_path / 'b')])
@@ -152,7 +180,7 @@ def test_checkpoint_resume_equals_uninterrupted(tmp_path, capsys):
     again = demo.main(['--members', '2', '--steps', steps, '--checkpoint-every', '10', '--no-plot',
                        '--checkpoint-dir', str(tmp_path / 'a')])
     text = capsys.readouterr().out
-    assert f'nothing to train: the checkpoint in {tmp_path / "a"} {word}' in text and 'trained 2' not in text
+    assert f'nothing to train: the checkpoint in {tmp_path / "a"} {word}' in text and 'trained 6' not in text
     assert again['trained'] == 0 and again['step'] == 30
     np.testing.assert_array_equal(again['losses'], whole['losses'])
   with pytest.raises(SystemExit, match="^2$") as exc:  # argparse's exit status
@@ -214,7 +242,7 @@ def test_runs_without_matplotlib(tmp_path):
   )
   out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300, env=ENV)
   assert out.returncode == 0, out.stderr
-  assert 'matplotlib is not installed' in out.stderr and 'member 1: loss (NLL)' in out.stdout
+  assert 'matplotlib is not installed' in out.stderr and '(i) Ensemble of 2 (MSE)' in out.stdout
   assert not list(tmp_path.iterdir())
 
 
@@ -236,16 +264,16 @@ def test_plain_install_in_a_fresh_venv_runs_the_demo(tmp_path):
   assert 'matplotlib is not installed' in out.stderr and (tmp_path / 'ckpt' / '5').is_dir()
 
 
-def test_devices_split_the_members_and_equal_one_device(tmp_path, capsys):
-  flags = ['--members', '4', '--steps', '20', '--no-plot']
+def test_devices_split_the_networks_and_equal_one_device(tmp_path, capsys):
+  flags = ['--members', '3', '--steps', '20', '--no-plot']
   one = demo.main(flags)
   two = demo.main(flags + ['--devices', '2'])
   assert 'on 2 device(s) in 1 process(es)' in capsys.readouterr().out
   kernel = two['ensemble'].l1.kernel.get_value()
-  assert {s.data.shape[0] for s in kernel.addressable_shards} == {2}
+  assert {s.data.shape[0] for s in kernel.addressable_shards} == {4}  # 8 networks over 2 devices
   np.testing.assert_allclose(two['losses'], one['losses'], rtol=1e-5, atol=1e-6)
   # and both are the members trained one by one in plain jax + optax
-  losses, params = demo_training_in_plain_jax(4, 0, 20)
+  losses, params = demo_training_in_plain_jax(3, 0, 20)
   np.testing.assert_allclose(one['losses'], losses, rtol=1e-5, atol=1e-6)
   trained = nnx.to_pure_dict(nnx.state(two['ensemble'], nnx.Param))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), trained, params)

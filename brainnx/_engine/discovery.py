@@ -812,6 +812,10 @@ class _Roots:
         self.explore(call)
     elif isinstance(fn, types.FunctionType):
       self._function(fn)
+    elif isinstance(fn, type):  # a class called as the function: its constructor runs
+      init = getattr(fn, '__init__', None)
+      if isinstance(init, types.FunctionType):
+        self.explore(init)
     elif hasattr(fn, '__wrapped__'):
       self.explore(fn.__wrapped__)
 
