@@ -54,6 +54,28 @@ def test_closure_cells():
   assert paths(disc)[0] == ('model', 'l1', 'bias')  # nnx's order: sorted attribute names
 
 
+def test_a_class_called_as_the_function_has_its_constructors_closures_found():
+  """``bnx.vmap(Cls, axis_size=n)()``: the Rngs ``Cls.__init__`` closes over is a root, so it is
+  split per member and advanced once, exactly as through ``lambda: Cls()``."""
+
+  def stack(via_lambda: bool):
+    rngs = nnx.Rngs(3)
+
+    class Net(nnx.Module):
+      def __init__(self):
+        self.l = nnx.Linear(2, 2, rngs=rngs)
+
+    made = bnx.vmap((lambda: Net()) if via_lambda else Net, axis_size=3)()
+    return made, rngs
+
+  (by_class, rngs_class), (by_lambda, rngs_lambda) = stack(False), stack(True)
+  assert paths(discover(by_class.__class__, (), {}))[0] == ('rngs', 'default', 'count')
+  kernels = np.asarray(by_class.l.kernel[...])
+  assert kernels.shape == (3, 2, 2) and not np.allclose(kernels[0], kernels[1])  # own keys each
+  np.testing.assert_array_equal(kernels, by_lambda.l.kernel[...])
+  assert int(rngs_class.default.count[...]) == int(rngs_lambda.default.count[...]) == 1
+
+
 def test_globals_and_helper_functions_are_followed():
   assert paths(discover(_uses_global, (), {}))[0] == ('GLOBAL_MODEL', 'l1', 'bias')
   disc = discover(_helper_uses_global, (), {})

@@ -813,8 +813,8 @@ class _Roots:
     elif isinstance(fn, types.FunctionType):
       self._function(fn)
     elif isinstance(fn, type):  # a class called as the function: its constructor runs
-      init = getattr(fn, '__init__', None)
-      if isinstance(init, types.FunctionType):
+      init = _user_constructor(fn)
+      if init is not None:
         self.explore(init)
     elif hasattr(fn, '__wrapped__'):
       self.explore(fn.__wrapped__)
@@ -850,9 +850,19 @@ class _Roots:
       self.add(k, RootKind.DEFAULT, default)
 
 
+def _user_constructor(cls: type):
+  """``cls.__init__`` when it is written in user code (it may close over an ``nnx.Rngs``), else None."""
+  init = getattr(cls, '__init__', None)
+  if isinstance(init, types.FunctionType) and not init.__code__.co_filename.startswith(LIBRARY_DIRS):
+    return init
+  return None
+
+
 def _is_callable_to_explore(obj) -> bool:
   if isinstance(obj, (types.FunctionType, functools.partial, types.MethodType)):
     return True
+  if isinstance(obj, type):
+    return _user_constructor(obj) is not None
   if isinstance(obj, nnx.Pytree) or is_plain_object(obj):
     return False
   return callable(obj) and hasattr(obj, '__wrapped__') and not isinstance(obj, type)
