@@ -2,7 +2,7 @@
 
 The site is built from the repository root with ``docs/conf.py`` (pages from ``docs/``,
 notebooks from ``notebooks/``), from the stored notebook outputs (``nb_execution_mode =
-'off'``); the notebooks themselves are executed by nbmake.
+'off'``); the notebooks themselves are executed by test_notebooks.py.
 """
 
 import importlib.metadata
@@ -186,7 +186,7 @@ def test_version_and_metadata():
 def test_dev_extra_installs_notebook_and_docs_tools():
   project = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']
   dev = {re.split(r'[<>=\[ ]', d)[0].lower() for d in project['optional-dependencies']['dev']}
-  assert {'pytest', 'nbmake', 'nbconvert', 'notebook', 'ipykernel', 'matplotlib', 'sphinx', 'myst-nb'} <= dev
+  assert {'pytest', 'nbclient', 'nbconvert', 'notebook', 'ipykernel', 'matplotlib', 'sphinx', 'myst-nb'} <= dev
   assert not any(d.startswith('matplotlib') for d in project['dependencies'])  # the demo runs without it
 
 
@@ -215,8 +215,10 @@ def test_the_pages_quote_the_demos_own_defaults_and_run_its_many_device_command(
 
   defaults = {a.dest.replace('_', '-'): a.default for a in demo._parser()._actions if a.default is not None}
   readme = (ROOT / 'README.md').read_text()
-  assert f"{defaults['members']} members" in readme
-  assert f"{defaults['steps']:,} steps" in readme
+  members = defaults['members']
+  assert f"| (i) | {members} |" in readme and f"| (iv) | {members} |" in readme
+  assert f"The {2 * members + 2} networks" in readme
+  assert f"{defaults['steps']:,} adam steps" in readme
   for page in [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]:
     for flag, value in re.findall(r'`--([\w-]+)`[^`\n]{0,20}\(default ([^),]+)\)', page.read_text()):
       assert flag in defaults and value.strip() == str(defaults[flag]), (page.name, flag, value)
@@ -227,3 +229,17 @@ def test_the_pages_quote_the_demos_own_defaults_and_run_its_many_device_command(
                        text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-2000:]
   assert 'on 4 device(s) in 1 process(es)' in out.stdout and (tmp_path / 'ensemble.png').is_file()
+
+
+def test_the_readme_shows_what_the_demo_prints(capsys):
+  """The README's block of the demo's output is what ``python -m brainnx.demo`` prints at its
+  defaults (timings masked, numbers to 1e-3), and its figure is the four panels."""
+  from brainnx import demo
+  from notebook_outputs import mask, same_text
+
+  readme = (ROOT / 'README.md').read_text()
+  (quoted,) = re.findall(r'and prints:\n\n```text\n(.*?)```', readme, flags=re.S)
+  demo.main(['--no-plot'])
+  printed = capsys.readouterr().out.strip()
+  assert same_text(mask(quoted.strip()), mask(printed)), f'README:\n{quoted}\nprinted:\n{printed}'
+  assert '](docs/images/demo_figure1.png)' in readme

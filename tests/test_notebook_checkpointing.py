@@ -2,7 +2,7 @@
 so the "forgot the RNG state" run starts at the checkpoint's step (30), not the resumed run's.
 
 The oracle for "as saved" is the state's own arrays before training; the notebook itself runs
-under nbmake (its assert cells check step 30 too), and its stored output is checked here.
+by tests/test_notebooks.py (its assert cells check step 30 too), and its stored output is checked here.
 """
 
 import json
