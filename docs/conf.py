@@ -28,7 +28,7 @@ extensions = ['myst_nb']
 source_suffix = {'.md': 'myst-nb', '.ipynb': 'myst-nb'}
 root_doc = 'docs/index'
 # the source folder is the repository root: only these are pages
-include_patterns = ['docs/*.md', 'notebooks/*.ipynb']
+include_patterns = ['docs/*.md', 'docs/api/*.md', 'notebooks/*.ipynb']
 exclude_patterns = ['docs/_build', '**.ipynb_checkpoints', 'Thumbs.db', '.DS_Store']
 
 # MyST: `[text](page.md#heading)` links use GitHub-style heading anchors, so the

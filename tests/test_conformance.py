@@ -19,7 +19,7 @@ the pure values, a loop, or ``jax`` itself. The guarantees:
 Guarantees that apply to some transforms only (returned nodes, static
 arguments, Variable instances as filters, methods, inline progress bars)
 are parametrized over the transforms that have the feature. Documented
-exceptions (``docs/api.md``): ``vjp`` traces on every call (its pullback is a
+exceptions (``docs/api/rules.md``): ``vjp`` traces on every call (its pullback is a
 Python closure, as ``jax.vjp``'s), and ``eval_shape`` never runs the
 computation, so it has no warm path and keeps no write.
 """
@@ -701,7 +701,7 @@ def test_inline_progress_bar_draws(name):
 
 
 # A Module created inside and returned: the transforms that return what they build give it
-# back holding concrete values; the others refuse by name (docs/api.md, "Creating Variables").
+# back holding concrete values; the others refuse by name (docs/api/rules.md, "Creating Variables").
 def _build(x):
   return nnx.Linear(3, 3, rngs=nnx.Rngs(0)), x
 

@@ -21,8 +21,9 @@ import brainnx as bnx
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / 'docs'
 NOTEBOOKS = sorted((ROOT / 'notebooks').glob('*.ipynb'))
-PAGES = sorted(DOCS.glob('*.md'))
-API = (DOCS / 'api.md').read_text()
+PAGES = sorted(DOCS.rglob('*.md'))
+API_PAGES = sorted((DOCS / 'api').glob('*.md'))
+API = '\n'.join(p.read_text() for p in API_PAGES)
 
 
 # -- the site -------------------------------------------------------------------------
@@ -35,8 +36,8 @@ def test_sphinx_build_has_no_warnings(tmp_path):
     capture_output=True, text=True, timeout=600, cwd=tmp_path,
   )
   assert out.returncode == 0, out.stdout + out.stderr
-  pages = [f'docs/{p.stem}' for p in PAGES] + [f'notebooks/{p.stem}' for p in NOTEBOOKS]
-  assert {'docs/index', 'docs/api', 'docs/comparison', 'docs/getting-started'} <= set(pages)
+  pages = [str(p.relative_to(ROOT).with_suffix('')) for p in PAGES] + [f'notebooks/{p.stem}' for p in NOTEBOOKS]
+  assert {'docs/index', 'docs/comparison', 'docs/getting-started'} <= set(pages)
   for page in pages:
     assert (site / f'{page}.html').exists(), page
   assert 'docs/index.html' in (site / 'index.html').read_text()  # the top of the site leads to the pages
@@ -98,7 +99,7 @@ def test_every_link_resolves_inside_the_repository(source, text):
 def test_link_checker_catches_bad_links(tmp_path):
   assert _links('[a](x.md) `[b](y.md)` <img src="z.png">') == ['x.md', 'z.png']
   assert _slug('`vmap_new_states`') == 'vmap_new_states' and _slug('Run the demo') == 'run-the-demo'
-  assert _slug('Terms and rules every transform keeps') in _anchors(DOCS / 'api.md')
+  assert _slug('The rules every transform keeps') in _anchors(DOCS / 'api' / 'rules.md')
 
 
 # -- the API reference ----------------------------------------------------------------
@@ -107,7 +108,7 @@ def test_link_checker_catches_bad_links(tmp_path):
 def _documented_signature(name: str) -> list[str]:
   """Parameter names in the reference's signature block for ``name``."""
   found = re.search(r'```py\n(?:class )?bnx\.' + re.escape(name) + r'\((.*?)\)\s*\n```', API, flags=re.S)
-  assert found, f'docs/api.md has no signature block for {name}'
+  assert found, f'docs/api/ has no signature block for {name}'
   params = []
   for part in found.group(1).replace('\n', ' ').split(','):
     part = part.strip().split('=')[0].strip().lstrip('*')
@@ -118,13 +119,13 @@ def _documented_signature(name: str) -> list[str]:
 
 @pytest.mark.parametrize('name', sorted(bnx.__all__))
 def test_reference_documents_every_public_name_and_parameter(name):
-  assert re.search(r'^### `' + re.escape(name) + '`$', API, flags=re.M), f'no section for {name}'
+  assert re.search(r'^#{2,3} `' + re.escape(name) + '`$', API, flags=re.M), f'no section for {name}'
   obj = getattr(bnx, name)
   if isinstance(obj, type) and issubclass(obj, Exception):
     return
   target = obj.__init__ if isinstance(obj, type) else obj
   actual = [p for p in inspect.signature(target).parameters if p != 'self']
-  assert _documented_signature(name) == actual, f'docs/api.md documents {name} with other parameters'
+  assert _documented_signature(name) == actual, f'docs/api/ documents {name} with other parameters'
 
 
 def _python_blocks(text: str) -> list[str]:
@@ -219,7 +220,7 @@ def test_the_pages_quote_the_demos_own_defaults_and_run_its_many_device_command(
   assert f"| (i) | {members} |" in readme and f"| (iv) | {members} |" in readme
   assert f"The {2 * members + 2} networks" in readme
   assert f"{defaults['steps']:,} adam steps" in readme
-  for page in [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]:
+  for page in [ROOT / 'README.md', *sorted((ROOT / 'docs').rglob('*.md'))]:
     for flag, value in re.findall(r'`--([\w-]+)`[^`\n]{0,20}\(default ([^),]+)\)', page.read_text()):
       assert flag in defaults and value.strip() == str(defaults[flag]), (page.name, flag, value)
   # the README's many-device command, exactly as written (4 CPU devices, as it says)
@@ -243,3 +244,28 @@ def test_the_readme_shows_what_the_demo_prints(capsys):
   printed = capsys.readouterr().out.strip()
   assert same_text(mask(quoted.strip()), mask(printed)), f'README:\n{quoted}\nprinted:\n{printed}'
   assert '](docs/images/demo_figure1.png)' in readme
+
+
+CODE_WIDTH = 88  # what a code block shows without scrolling on the docs site at 1280 px
+
+
+def _code_lines(markdown: str):
+  for block in re.finditer(r'^```[^\n]*\n(.*?)^```', markdown, flags=re.S | re.M):
+    first = markdown[:block.start(1)].count('\n') + 1
+    for k, line in enumerate(block.group(1).splitlines()):
+      yield first + k, line
+
+
+def test_code_lines_fit_the_page():
+  """Code in the README, the docs and the notebooks (code cells, and code blocks in their text)
+  is at most 88 characters a line."""
+  wide = []
+  for page in [ROOT / 'README.md', *sorted(DOCS.rglob('*.md'))]:
+    wide += [f'{page.relative_to(ROOT)}:{n}' for n, line in _code_lines(page.read_text())
+             if len(line) > CODE_WIDTH]
+  for path in NOTEBOOKS:
+    for k, cell in enumerate(json.loads(path.read_text())['cells']):
+      source = ''.join(cell['source'])
+      lines = source.splitlines() if cell['cell_type'] == 'code' else [l for _, l in _code_lines(source)]
+      wide += [f'{path.name} cell {k}' for line in lines if len(line) > CODE_WIDTH]
+  assert not wide, wide

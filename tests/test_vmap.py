@@ -1,4 +1,4 @@
-"""vmap: every rule of the Mapping section of docs/api.md, against jax.vmap on pure pytrees or a Python loop."""
+"""vmap: every rule of docs/api/mapping.md, against jax.vmap on pure pytrees or a Python loop."""
 
 import warnings
 

@@ -72,7 +72,7 @@ def jit(
   ``.stateful_fun`` (the underlying :class:`StatefulFunction`).
 
   When a cached call is reused, what makes it retrace, and the rules for threads are in
-  ``docs/api.md`` ("Terms and rules every transform keeps"); writes that bypass flax
+  ``docs/api/rules.md``; writes that bypass flax
   (``vars(module)[name] = x``) are not noticed: call ``.clear_cache()`` after them.
 
   Args:

@@ -4,7 +4,7 @@ A mapped call discovers the Variables ``fn`` can reach, gives each an in-axis
 (``state_in_axes`` first, then the ``in_axes`` of the argument it came
 through, else broadcast), splits every unmatched RNG stream into one key per
 element, runs ``jax.vmap`` with the values swapped in, and writes results
-back by the out-axis rules of the reference (``docs/api.md``, Mapping). Outside any trace the whole thing
+back by the out-axis rules of the reference (``docs/api/mapping.md``). Outside any trace the whole thing
 runs through ``brainnx.jit``, so warm eager calls replay a compiled program.
 
 Example:
