@@ -316,8 +316,8 @@ def report_table(panels, reports, last_losses) -> str:
     loss = float(np.mean(last_losses[panel.rows]))
     lines.append(f'{panel.title:<40}{loss:>8.3f}{r["std_inside"]:>12.2f}{r["ratio_left"]:>5.1f}x'
                  f'{r["ratio_right"]:>5.1f}x{r["covered"]:>15.0%}')
-  lines.append(f'loss: at the last step, mean over the panel\'s networks; std: the predictive std inside\n'
-               f'the data and its ratio on each side outside it; the last column is a share of [-6, 6]')
+  lines.append('loss: at the last step, mean over the panel\'s networks; std: the predictive std inside\n'
+               'the data and its ratio on each side outside it; the last column is a share of [-6, 6]')
   return '\n'.join(lines)
 
 

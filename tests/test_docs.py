@@ -208,9 +208,6 @@ def test_nothing_in_the_repository_cites_a_document_outside_it():
 def test_the_pages_quote_the_demos_own_defaults_and_run_its_many_device_command(tmp_path):
   """The demo is described by its --help: what the README says of its members, steps and
   checkpoint interval is the parser's, and no other page gives a default of its own."""
-  import os
-  import subprocess
-  import sys
 
   from brainnx import demo
 
@@ -223,13 +220,6 @@ def test_the_pages_quote_the_demos_own_defaults_and_run_its_many_device_command(
   for page in [ROOT / 'README.md', *sorted((ROOT / 'docs').rglob('*.md'))]:
     for flag, value in re.findall(r'`--([\w-]+)`[^`\n]{0,20}\(default ([^),]+)\)', page.read_text()):
       assert flag in defaults and value.strip() == str(defaults[flag]), (page.name, flag, value)
-  # the README's many-device command, exactly as written (4 CPU devices, as it says)
-  (command,) = re.findall(r'^XLA_FLAGS=(\S+) (python -m brainnx\.demo .*)$', readme, flags=re.M)
-  env = dict(os.environ, XLA_FLAGS=command[0], PYTHONPATH=str(ROOT))
-  out = subprocess.run([sys.executable, *command[1].split()[1:]], env=env, cwd=tmp_path, capture_output=True,
-                       text=True, timeout=600)
-  assert out.returncode == 0, out.stderr[-2000:]
-  assert 'on 4 device(s) in 1 process(es)' in out.stdout and (tmp_path / 'ensemble.png').is_file()
 
 
 def test_the_readme_shows_what_the_demo_prints(capsys):
@@ -269,3 +259,70 @@ def test_code_lines_fit_the_page():
       lines = source.splitlines() if cell['cell_type'] == 'code' else [l for _, l in _code_lines(source)]
       wide += [f'{path.name} cell {k}' for line in lines if len(line) > CODE_WIDTH]
   assert not wide, wide
+
+
+def _browser():
+  import shutil
+
+  try:
+    import playwright  # noqa: F401
+  except ImportError:
+    return None
+  return shutil.which('chromium') or shutil.which('chromium-browser') or shutil.which('google-chrome')
+
+
+@pytest.mark.skipif(_browser() is None, reason='needs Chromium and playwright (docs/check_overflow.py)')
+def test_no_code_block_or_output_scrolls_sideways_at_1280_px(tmp_path):
+  """The built site in headless Chromium at 1280 px: no code block, notebook output or page is
+  wider than its box (docs/check_overflow.py, which also runs on its own)."""
+  sys.path.insert(0, str(DOCS))
+  import check_overflow
+
+  check_overflow.build_site(tmp_path / 'site')
+  found = check_overflow.overflowing(tmp_path / 'site', _browser(), 1280, include_outputs=True)
+  assert not found, found
+
+
+
+def _demo_commands():
+  """Every ``python -m brainnx.demo`` command line of a bash block in the README and the docs
+  (with its environment assignments), but the many-host ones (tests/test_distributed.py runs
+  those on 127.0.0.1)."""
+  found = []
+  for page in [ROOT / 'README.md', *sorted(DOCS.rglob('*.md'))]:
+    for block in re.findall(r'^```bash\n(.*?)^```', page.read_text(), flags=re.S | re.M):
+      for line in block.splitlines():
+        command = line.split('#')[0].split('&&')[-1].strip()
+        if 'python -m brainnx.demo' in command and '--distributed' not in command:
+          found.append(pytest.param(command, id=f'{page.name}: {command}'))
+  return found
+
+
+@pytest.mark.parametrize('command', _demo_commands())
+def test_every_demo_command_on_the_pages_runs_as_written(command, tmp_path):
+  import os
+  import shlex
+
+  words = shlex.split(command)
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  while '=' in words[0]:  # XLA_FLAGS=... before the command
+    name, _, value = words.pop(0).partition('=')
+    env[name] = value
+  assert words[:3] == ['python', '-m', 'brainnx.demo'], command
+  out = subprocess.run([sys.executable, *words[1:]], env=env, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  if '--help' in words:
+    assert out.stdout.startswith('usage: python -m brainnx.demo')
+    return
+  assert 'trained 12 networks (the four panels of Figure 1)' in out.stdout
+  if '--devices' in words:
+    assert f'on {words[words.index("--devices") + 1]} device(s) in 1 process(es)' in out.stdout
+  written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob('*.*'))
+  if '--no-plot' in words:
+    assert written == []
+  elif '--out' in words:
+    target = words[words.index('--out') + 1]
+    assert written == [target if target.endswith('.png') else target.rstrip('/') + '/ensemble.png']
+  else:
+    assert written == ['ensemble.png']
