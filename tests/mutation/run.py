@@ -244,6 +244,19 @@ MUTANTS = [
          "        self.node_args[k] = self._node(call_args[k], (filters or {}).get(k, nnx.Param), k)",
          "        self.node_args[k] = self._node(call_args[k], nnx.Param, k)",
          ('tests/test_grad.py',)),
+  # issue 36: the four panels, and a class called as the function
+  Mutant('a class called as the function is not explored', 'brainnx/_engine/discovery.py',
+         '  if isinstance(obj, type):\n    return _user_constructor(obj) is not None',
+         '  if isinstance(obj, type):\n    return False',
+         ('tests/test_discovery.py',)),
+  Mutant('the adversarial term is left out of the demo', 'brainnx/demo.py',
+         'return loss + jnp.where(adversarial, network_loss(model, x + epsilon * jnp.sign(dx), y, nll), 0.0)',
+         'return loss + 0.0 * jnp.where(adversarial, network_loss(model, x + epsilon * jnp.sign(dx), y, nll), 0.0)',
+         ('tests/test_demo.py',)),
+  Mutant('panel (i) reads its spread as a mixture', 'brainnx/demo.py',
+         '  if panel.nll:\n    return mixture(rows)',
+         '  if True:\n    return mixture(rows)',
+         ('tests/test_demo.py',)),
 ]
 
 
