@@ -9,6 +9,7 @@ Importing this module does not start a JAX backend.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -31,6 +32,7 @@ from jax._src.lax import lax as _jax_lax
 __all__ = [
   'ArrayImpl',
   'DataAttribute',
+  'EDIT_LOG',
   'PYTREE_EDITS',
   'Tracer',
   'at_top_level',
@@ -182,6 +184,7 @@ def restore_entries(current: dict, entries: dict, missing) -> None:
         current[key] = value
   finally:
     PYTREE_EDITS[0] += 1
+    EDIT_LOG.append((PYTREE_EDITS[0], None))
 
 
 # -- flax's graph split and merge with known objects ------------------------------------
@@ -224,6 +227,12 @@ def graph_unflatten(graphdef, values: list, index_ref) -> Any:
 #: through ``set_metadata``/``del_metadata``) were changed.
 PYTREE_EDITS = [0]
 
+#: The latest edits as ``(count after the edit, id of the edited Pytree or Variable)``; the id
+#: is ``None`` where the owner is unknown. A guard reads back to its last passing check and
+#: compares its entries only if one of its own objects is among them (nnx transforms edit the
+#: fresh nodes they merge on every call: those are nobody's). Older edits fall off the end.
+EDIT_LOG: collections.deque = collections.deque(maxlen=4096)
+
 _EDITING_METHODS = ('__setattr__', '__delattr__', '__setstate__', '_graph_node_clear', '_graph_node_init')
 
 
@@ -234,6 +243,7 @@ def _counting(method: Callable) -> Callable:
       return method(*args, **kwargs)
     finally:  # after the edit: a guard that read the counter before it sees the move
       PYTREE_EDITS[0] += 1
+      EDIT_LOG.append((PYTREE_EDITS[0], id(args[0])))
 
   counted.__wrapped_for_edits__ = method
   return counted

@@ -150,11 +150,17 @@ def roles(panels) -> tuple[np.ndarray, np.ndarray]:
 
 
 def build(networks: int, seed: int, hidden: int = HIDDEN, lr: float = LEARNING_RATE):
-  """The stacked networks (one ``bnx.vmap`` over the constructor) and one adam optimizer per network."""
+  """The stacked networks (one ``bnx.vmap`` over the constructor) and one adam optimizer per
+  network, made in one compiled program (run eagerly, the mapped constructor dispatches and
+  compiles its operations one by one: seconds, where the program takes one compilation)."""
   rngs = nnx.Rngs(seed)
-  ensemble = bnx.vmap(lambda: MLP(hidden, rngs=rngs), axis_size=networks)()
-  optimizers = bnx.vmap(lambda m: nnx.Optimizer(m, optax.adam(lr), wrt=nnx.Param))(ensemble)
-  return ensemble, optimizers
+
+  @bnx.jit
+  def make():
+    ensemble = bnx.vmap(lambda: MLP(hidden, rngs=rngs), axis_size=networks)()
+    return ensemble, bnx.vmap(lambda m: nnx.Optimizer(m, optax.adam(lr), wrt=nnx.Param))(ensemble)
+
+  return make()
 
 
 def network_loss(model, x, y, nll):

@@ -14,7 +14,7 @@ from flax import nnx
 
 import brainnx as bnx
 from brainnx import _compat
-from helpers import assert_same_tree
+from helpers import MLP, assert_same_tree
 
 X = jax.random.normal(jax.random.key(0), (4, 3))
 
@@ -255,3 +255,79 @@ def test_a_variable_replaced_by_an_equal_one_is_seen():
   holder.v = nnx.Variable(old[...])  # a new object with an equal value: compared by identity
   bump()
   assert float(holder.v[...]) == 2.0 and float(old[...]) == 1.0
+
+
+# -- edits elsewhere: a warm call costs what changed, not the graph -------------------------
+
+
+def _counting_entry_checks(monkeypatch):
+  """Every full comparison a guard built from now on runs, counted."""
+  from brainnx._engine import discovery as discovery_module
+
+  calls = [0]
+  real = discovery_module._entry_check
+
+  def counted(containers, masks):
+    check = real(containers, masks)
+    if check is None:
+      return None
+
+    def wrapped():
+      calls[0] += 1
+      return check()
+
+    wrapped.resave = check.resave
+    return wrapped
+
+  monkeypatch.setattr(discovery_module, '_entry_check', counted)
+  return calls
+
+
+def test_edits_of_other_objects_do_not_make_a_warm_call_compare_the_graph(monkeypatch):
+  calls = _counting_entry_checks(monkeypatch)
+  model = MLP(2, 8, 1, rngs=nnx.Rngs(0))
+  f = bnx.jit(lambda x: model(x))
+  x = jnp.ones((3, 2))
+  f(x)
+  f(x)
+  before = calls[0]
+  for k in range(3):  # flax Pytrees built and edited elsewhere: nothing of ours
+    other = nnx.Linear(2, 2, rngs=nnx.Rngs(k))
+    other.extra = nnx.Param(jnp.ones(2))
+    np.testing.assert_allclose(f(x), model(x), rtol=1e-6)
+  assert calls[0] == before  # the graph's entries were not compared
+
+
+def test_an_nnx_jit_call_between_calls_costs_a_comparison_not_a_new_discovery(monkeypatch):
+  """nnx.jit merges the caller's own nodes in place on every call (their attribute dicts are
+  cleared and refilled, their trace state replaced): the next brainnx call compares the graph's
+  entries, finds them the same, and stays warm."""
+  from brainnx._engine import jitted
+
+  model = MLP(2, 8, 1, rngs=nnx.Rngs(0))
+  f = bnx.jit(lambda x: model(x))
+  evaluate = nnx.jit(lambda m, x: m(x))
+  x = jnp.ones((3, 2))
+  f(x)
+  evaluate(model, x)  # its first call re-creates the attribute dicts in sorted order: a new
+  f(x)  # order of entries, which the next brainnx call discovers once
+  discoveries = []
+  real = jitted.discover
+  monkeypatch.setattr(jitted, 'discover', lambda *a: discoveries.append(1) or real(*a))
+  for _ in range(3):
+    np.testing.assert_allclose(evaluate(model, x), model(x), rtol=1e-6)
+    np.testing.assert_allclose(f(x), model(x), rtol=1e-6)
+  assert discoveries == []
+
+
+def test_an_edit_of_a_guarded_object_is_seen_among_edits_elsewhere_and_past_the_log():
+  model = MLP(2, 8, 1, rngs=nnx.Rngs(0))
+  f = bnx.jit(lambda x: model(x))
+  x = jnp.ones((3, 2))
+  f(x)
+  f(x)  # warm: the guard has passed once
+  for flood in (3, _compat.EDIT_LOG.maxlen + 10):
+    model.l2 = nnx.Linear(8, 1, rngs=nnx.Rngs(flood))  # ours: the call must see the new layer
+    for _ in range(flood):  # then edits of other objects, past the log's reach the second time
+      nnx.Dict(a=1).b = 2
+    np.testing.assert_allclose(f(x), model(x), rtol=1e-6)  # the old layer would give other values

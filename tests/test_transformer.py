@@ -167,3 +167,84 @@ def test_two_processes_train_as_one_whether_built_inside_or_outside_the_mesh(tmp
   for name in names:
     np.testing.assert_array_equal(many[f'outside/{name}'], many[f'inside/{name}'], err_msg=name)
     np.testing.assert_allclose(many[f'inside/{name}'], mine[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+# -- decoding -----------------------------------------------------------------------
+
+DECODE_CFG = tf.Config(layers=2, width=32, heads=2, seq=24, batch=2)
+
+
+def _pure_logits(params, tokens, cfg):
+  """The decoder on its parameters as nested dicts of arrays, the whole sequence at once, no cache
+  and no dropout: the oracle a cached decode must agree with."""
+  def norm(p, x):
+    mean = x.mean(-1, keepdims=True)
+    return (x - mean) / jnp.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-6) * p['scale'] + p['bias']
+
+  def dense(p, x):
+    return x @ p['kernel'] + p['bias']
+
+  b, s = tokens.shape
+  w, h = cfg.width, cfg.heads
+  x = params['token']['embedding'][tokens] + params['pos']['embedding'][:s]
+
+  def layer(x, p):
+    q, k, v = (t.reshape(b, s, h, w // h) for t in jnp.split(dense(p['qkv'], norm(p['ln1'], x)), 3, axis=-1))
+    scores = jnp.einsum('bqhd,bkhd->bhqk', q, k) / np.sqrt(w // h)
+    scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -jnp.inf)
+    attended = jnp.einsum('bhqk,bkhd->bqhd', jax.nn.softmax(scores, axis=-1), v).reshape(b, s, w)
+    x = x + dense(p['proj'], attended)
+    return x + dense(p['mlp_out'], jax.nn.gelu(dense(p['mlp_in'], norm(p['ln2'], x)))), None
+
+  x, _ = jax.lax.scan(layer, x, params['blocks'])
+  return dense(params['head'], norm(params['ln_f'], x))
+
+
+def _pure_generate(params, prompt, n, seed, temperature, cfg):
+  """Byte by byte, the whole sequence recomputed each time; the ``sample`` stream's keys are
+  ``fold_in(key(seed), count)``, as an ``nnx.Rngs(sample=seed)`` draws them."""
+  tokens = jnp.asarray(prompt, jnp.int32)
+  for i in range(n):
+    logits = _pure_logits(params, tokens, cfg)[:, -1]
+    key = jax.random.fold_in(jax.random.key(seed), i)
+    nxt = jnp.argmax(logits, -1) if temperature == 0 else jax.random.categorical(key, logits / temperature)
+    tokens = jnp.concatenate([tokens, nxt[:, None].astype(jnp.int32)], axis=1)
+  return np.asarray(tokens[:, prompt.shape[1]:])
+
+
+@pytest.mark.parametrize('temperature', [0.0, 1.0])
+def test_decoding_equals_flax_and_a_pure_jax_decode_without_a_cache(temperature):
+  prompt = np.array([[10, 20, 30, 40, 50], [60, 70, 80, 90, 100]], np.int32)
+  model, _ = tf.build(DECODE_CFG, seed=3)
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  expect = _pure_generate(params, prompt, 12, 7, temperature, DECODE_CFG)
+  eager = tf.generate(model, prompt, 12, nnx.Rngs(sample=7), temperature=temperature)
+  compiled = tf.generate(model, prompt, 12, nnx.Rngs(sample=7), temperature=temperature, compiled=True)
+  flax_model, _ = tf.build_flax(DECODE_CFG, seed=3)
+  by_flax = tf.generate_flax(flax_model, prompt, 12, nnx.Rngs(sample=7), temperature=temperature)
+  np.testing.assert_array_equal(eager, expect)
+  np.testing.assert_array_equal(compiled, expect)
+  np.testing.assert_array_equal(by_flax, expect)
+  assert int(model.cache_index[...]) == 5 + 12 - 1  # every position but the last sampled one fed
+
+
+def test_the_cache_gives_the_full_forwards_logits_and_the_stream_advances_once_per_byte():
+  model, _ = tf.build(DECODE_CFG, seed=1)
+  tokens = jnp.asarray(tf.text()[None, :9].astype(np.int32).repeat(2, 0))
+  full = _pure_logits(nnx.to_pure_dict(nnx.state(model, nnx.Param)), tokens, DECODE_CFG)
+  model.init_cache(2, 9)
+  step = bnx.jit(model.decode_step)
+  for t in range(9):
+    np.testing.assert_allclose(step(tokens[:, t]), full[:, t], rtol=1e-4, atol=1e-4)
+  assert model.blocks.cache_k.shape == (2, 2, 9, 2, 16)  # layers, batch, positions, heads, head size
+  rngs = nnx.Rngs(sample=0)
+  tf.generate(model, np.zeros((2, 3), np.int32), 5, rngs, compiled=True)
+  assert int(rngs.sample.count[...]) == 5
+  with pytest.raises(ValueError, match='position embeddings for 24'):
+    tf.generate(model, np.zeros((2, 20), np.int32), 5, rngs)
+
+
+def test_generate_command_prints_text(capsys):
+  tf.main(['--steps', '30', '--size', '2', '32', '32', '4', '--generate', '16', '--deterministic'])
+  out = capsys.readouterr().out
+  assert 'generated after 30 steps' in out

@@ -192,12 +192,14 @@ class Guard:
   costs a few identity checks, not one comparison per attribute.
   """
 
-  __slots__ = ('_cells', '_globals', '_all', '_uncounted', '_counted', '_metadata', '_seen', 'ok')
+  __slots__ = ('_cells', '_globals', '_all', '_uncounted', '_counted', '_metadata', '_owners', '_seen', 'ok')
 
-  def __init__(self, cells, globals_, containers, masks, counted, metadata=()):
+  def __init__(self, cells, globals_, containers, masks, counted, metadata=(), owners=None):
     self._cells = list(cells)  # [cell, object]
     self._globals = list(globals_)  # [namespace, name, object]
     self._metadata = list(metadata)  # [Variable, a copy of its metadata]
+    # ids of the Pytrees and of the Variables whose edits matter here (None: any edit does)
+    self._owners = None if owners is None else (set(owners[0]), set(owners[1]))
     self._all = _entry_check(containers, masks)
     self._uncounted = _entry_check(
       [c for c, n in zip(containers, counted) if not n], [m for m, n in zip(masks, counted) if not n]
@@ -211,7 +213,30 @@ class Guard:
     loops beat C-level ``map`` here, whose set-up costs more than the comparisons)."""
     cells, namespaces, metadata = self._cells, self._globals, self._metadata
     check_all, check_uncounted, seen, edits = self._all, self._uncounted, self._seen, _compat.PYTREE_EDITS
-    metadata_of = _compat.metadata_of
+    metadata_of, log = _compat.metadata_of, _compat.EDIT_LOG
+    nodes, variables = self._owners if self._owners is not None else (None, None)
+    everything = (True, True)
+
+    def edited_here(since: int) -> tuple[bool, bool]:
+      """Whether the edits after count ``since`` touched (the guarded Pytrees, the guarded
+      Variables' metadata): both, when an edit's object is unknown or the log no longer reaches
+      back that far. Edits of other objects touch neither."""
+      if nodes is None or since < 0:
+        return everything
+      touched_nodes = touched_variables = False
+      try:
+        for count, owner in reversed(log):
+          if count <= since:
+            return touched_nodes, touched_variables
+          if owner is None:
+            return everything
+          if owner in nodes:
+            touched_nodes = True
+          elif owner in variables:
+            touched_variables = True
+      except RuntimeError:  # another thread edited while we read
+        return everything
+      return everything  # the log no longer reaches back to the last check
 
     def ok() -> bool:
       if cells:
@@ -227,13 +252,16 @@ class Guard:
       if edits[0] == seen[0]:
         return check_uncounted is None or check_uncounted()
       mark = edits[0]  # read before the check: an edit during it moves the count past mark
-      if check_all is not None and not check_all():
+      touched_nodes, touched_variables = edited_here(seen[0])
+      check = check_all if touched_nodes else check_uncounted
+      if check is not None and not check():
         return False
-      try:
-        if any(metadata_of(v) != saved for v, saved in metadata):
+      if touched_variables:
+        try:
+          if any(metadata_of(v) != saved for v, saved in metadata):
+            return False
+        except Exception:  # metadata holding arrays: no single truth value
           return False
-      except Exception:  # metadata holding arrays: no single truth value
-        return False
       seen[0] = mark
       return True
 
@@ -256,6 +284,8 @@ class Guard:
       if check is not None:
         check.resave(graph=True)
     swap = {id(old): new for old, new in replaced}
+    if self._owners is not None:
+      self._owners[1].update(id(new) for _, new in replaced)
     self._metadata[:] = [(swap[id(v)], dict(_compat.metadata_of(swap[id(v)]))) if id(v) in swap else (v, m)
                          for v, m in self._metadata]
 
@@ -573,6 +603,7 @@ class _Walker:
     self.watched = []  # every mutable container met
     self.watched_paths = []
     self.metadata = []  # (Variable, a copy of its metadata), for the guard
+    self.owners: tuple[set[int], set[int]] = (set(), set())  # ids of the guarded Pytrees, Variables
     self.plain_objects = []
     self.masks = []
     self.signature = []
@@ -638,6 +669,7 @@ class _Walker:
     self._record(var, path, root)
     metadata = _compat.metadata_of(var)
     self.metadata.append((var, dict(metadata)))
+    self.owners[1].add(id(var))
     self.signature.append(tuple((k, static_key(v)) for k, v in metadata.items()))
     return True
 
@@ -657,9 +689,12 @@ class _Walker:
         codes[name] = GRAPH if self.walk(value, path + (child_key,), root) else STATIC
       if codes[name] == STATIC:
         statics.append((name, static_key(value)))
-    mask = [codes.get(name, STATIC) for name, _ in items]
+    # flax's own bookkeeping (``_pytree__state``: which trace the node belongs to, replaced by
+    # every nnx transform that merges the node) is not compared
+    mask = [codes.get(name, DATA if _compat.is_internal_attribute(name) else STATIC) for name, _ in items]
     self.containers.append(attrs)
     self.counted.append(True)
+    self.owners[0].add(id(node))
     self.watched.append(attrs)
     self.watched_paths.append(path)
     self.masks.append(mask)
@@ -894,7 +929,7 @@ def discover(fun: Callable, args: tuple, kwargs: dict) -> Discovery:
     streams=tuple(walker.streams),
     aliases=tuple(walker.aliases),
     guard=Guard([c[:2] for c in roots.cells], roots.globals, walker.containers, walker.masks, walker.counted,
-                walker.metadata),
+                walker.metadata, walker.owners),
     signature=(tuple(walker.signature), tuple(roots.captured)),
     plain=tuple(roots.plain),
     container_paths=tuple(walker.watched_paths),

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 from pathlib import Path
 
 import jax
@@ -44,8 +45,8 @@ import brainnx as bnx
 
 __all__ = [
   'Block', 'Config', 'FlaxGPT', 'GPT', 'PARTITIONS', 'batch', 'build', 'build_flax', 'cross_entropy',
-  'flax_train_step', 'make_mesh', 'partition_spec', 'place_batch', 'state_rules', 'text', 'to_host',
-  'train', 'train_step',
+  'flax_train_step', 'generate', 'generate_flax', 'make_mesh', 'partition_spec', 'place_batch', 'sample',
+  'state_rules', 'text', 'to_host', 'train', 'train_step',
 ]
 
 
@@ -117,15 +118,33 @@ class Block(nnx.Module):
     self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
     self.heads = cfg.heads
 
-  def __call__(self, x, deterministic: bool = False):
+  def _qkv(self, x):
     b, s, w = x.shape
-    q, k, v = (t.reshape(b, s, self.heads, w // self.heads) for t in jnp.split(self.qkv(self.ln1(x)), 3, axis=-1))
+    return (t.reshape(b, s, self.heads, w // self.heads) for t in jnp.split(self.qkv(self.ln1(x)), 3, axis=-1))
+
+  def _attend(self, x, q, k, v, visible, deterministic: bool):
+    """The residual block after the projections: ``q`` attends to ``k``/``v`` where ``visible``."""
+    b, s, w = x.shape
     scores = jnp.einsum('bqhd,bkhd->bhqk', q, k) / np.sqrt(w // self.heads)
-    scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, jnp.finfo(scores.dtype).min)
+    scores = jnp.where(visible, scores, jnp.finfo(scores.dtype).min)
     attended = jnp.einsum('bhqk,bkhd->bqhd', jax.nn.softmax(scores, axis=-1), v).reshape(b, s, w)
     x = x + self.dropout(self.proj(attended), deterministic=deterministic)
     mlp = self.mlp_out(jax.nn.gelu(self.mlp_in(self.ln2(x))))
     return x + self.dropout(mlp, deterministic=deterministic)
+
+  def __call__(self, x, deterministic: bool = False):
+    s = x.shape[1]
+    q, k, v = self._qkv(x)
+    return self._attend(x, q, k, v, jnp.tril(jnp.ones((s, s), bool)), deterministic)
+
+  def decode(self, x, index):
+    """One position ``x`` of shape ``(batch, 1, width)`` at ``index``: its keys and values go into
+    the cache (:meth:`GPT.init_cache`) and it attends to every cached position up to its own."""
+    q, k, v = self._qkv(x)
+    self.cache_k[...] = jax.lax.dynamic_update_slice_in_dim(self.cache_k[...], k, index, axis=1)
+    self.cache_v[...] = jax.lax.dynamic_update_slice_in_dim(self.cache_v[...], v, index, axis=1)
+    visible = jnp.arange(self.cache_k.shape[1]) <= index
+    return self._attend(x, q, self.cache_k[...], self.cache_v[...], visible, deterministic=True)
 
 
 class _Decoder(nnx.Module):
@@ -145,6 +164,26 @@ class _Decoder(nnx.Module):
     x = self.token(tokens) + self.pos(jnp.arange(tokens.shape[1]))
     return self.head(self.ln_f(self._run(x, deterministic)))
 
+  def init_cache(self, batch: int, length: int) -> None:
+    """Empty key/value caches (``nnx.Cache``, one per layer, stacked like the blocks) for decoding
+    ``length`` positions of ``batch`` sequences, and the position counter."""
+    cfg = self.cfg
+    if length > cfg.seq:
+      raise ValueError(f'init_cache: {length} positions, but the model has position embeddings for {cfg.seq}')
+    shape = (cfg.layers, batch, length, cfg.heads, cfg.width // cfg.heads)
+    self.blocks.cache_k = nnx.Cache(jnp.zeros(shape))
+    self.blocks.cache_v = nnx.Cache(jnp.zeros(shape))
+    self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
+
+  def decode_step(self, tokens):
+    """Feed one token per sequence (shape ``(batch,)``) at the cache's position; returns the next
+    byte's logits ``(batch, vocab)`` and advances the position."""
+    index = self.cache_index[...]
+    x = self.token(tokens[:, None]) + self.pos(index[None])
+    x = self._decode(x, index)
+    self.cache_index[...] = index + 1
+    return self.head(self.ln_f(x))[:, 0]
+
 
 class GPT(_Decoder):
   """The brainnx idioms: ``bnx.vmap`` builds the stack, ``bnx.scan`` over ``bnx.remat`` runs it."""
@@ -159,6 +198,10 @@ class GPT(_Decoder):
     if self.cfg.remat:
       layer = bnx.remat(layer)
     return bnx.scan(lambda h, _: (layer(h), None), x, None, state_in_axes={0: ...})[0]
+
+  def _decode(self, x, index):
+    blocks = self.blocks
+    return bnx.scan(lambda h, _: (blocks.decode(h, index), None), x, None, state_in_axes={0: ...})[0]
 
 
 class FlaxGPT(_Decoder):
@@ -187,6 +230,13 @@ class FlaxGPT(_Decoder):
       return layer(block, h)
 
     return run(self.blocks, x)
+
+  def _decode(self, x, index):
+    @nnx.scan(in_axes=(0, nnx.Carry, None), out_axes=nnx.Carry)
+    def run(block, h, index):
+      return block.decode(h, index)
+
+    return run(self.blocks, x, index)
 
 
 def _rngs(seed: int) -> nnx.Rngs:
@@ -238,6 +288,79 @@ def flax_train_step(*, donate: bool = True, deterministic: bool = False):
     return loss
 
   return nnx.jit(step, donate_argnums=(0, 1) if donate else ())
+
+
+# -- decoding ------------------------------------------------------------------------
+
+
+def sample(logits, key, temperature: float):
+  """The next bytes: the ``argmax`` at ``temperature == 0``, else a draw from
+  ``softmax(logits / temperature)`` with ``key``."""
+  if temperature == 0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
+
+
+def generate(model: GPT, prompt, n: int, rngs: nnx.Rngs, *, temperature: float = 1.0,
+             compiled: bool = False) -> np.ndarray:
+  """``n`` bytes after ``prompt`` (ints ``(batch, p)``), drawn with ``rngs.sample``: ``(batch, n)``.
+
+  The prompt goes through the key/value cache one position at a time, then each new byte is
+  sampled and fed back. By default each position is one call of a ``bnx.jit``-ted step that
+  reads and writes the caches, the position and the ``sample`` stream (the host-bound regime of
+  serving); ``compiled=True`` runs the whole decode as one ``bnx.jit`` of a ``bnx.for_loop`` over
+  the prompt and a ``bnx.scan`` over the new bytes. Both draw the same keys and return the same
+  bytes (``tests/test_transformer.py``, against flax and a pure-jax decode without a cache).
+  """
+  prompt = jnp.asarray(prompt, jnp.int32)
+  batch, p = prompt.shape
+  if n < 1 or p < 1:
+    raise ValueError(f'generate: a prompt of at least 1 byte and n >= 1, got {p} and {n}')
+  model.init_cache(batch, p + n)
+
+  def next_byte(token):
+    return sample(model.decode_step(token), rngs.sample(), temperature)
+
+  if compiled:
+    # the loops run over positions: the stacked layers' parameters (and their unused dropout
+    # streams) are read whole at every step; the caches, the position and the sample stream are
+    # carried, each step writes them
+    whole = {None: (nnx.Param, nnx.All(nnx.RngState, nnx.PathContains('dropout')))}
+
+    @bnx.jit
+    def run(prompt):
+      if p > 1:
+        bnx.for_loop(model.decode_step, prompt[:, :-1].T, state_in_axes=whole)
+      first = next_byte(prompt[:, -1])
+      if n == 1:
+        return first[:, None]
+      _, rest = bnx.scan(lambda token, _: (next_byte(token),) * 2, first, None, length=n - 1,
+                         state_in_axes=whole)
+      return jnp.concatenate([first[None], rest]).T
+
+    return np.asarray(run(prompt))
+  feed, step = bnx.jit(model.decode_step), bnx.jit(next_byte)
+  for t in range(p - 1):
+    feed(prompt[:, t])
+  tokens = [step(prompt[:, -1])]
+  for _ in range(n - 1):
+    tokens.append(step(tokens[-1]))
+  return np.asarray(jnp.stack(tokens, axis=1))
+
+
+def generate_flax(model: FlaxGPT, prompt, n: int, rngs: nnx.Rngs, *, temperature: float = 1.0) -> np.ndarray:
+  """:func:`generate` the flax way: ``nnx.jit`` steps that take the model and the streams."""
+  prompt = jnp.asarray(prompt, jnp.int32)
+  batch, p = prompt.shape
+  model.init_cache(batch, p + n)
+  feed = nnx.jit(lambda model, token: model.decode_step(token))
+  step = nnx.jit(lambda model, rngs, token: sample(model.decode_step(token), rngs.sample(), temperature))
+  for t in range(p - 1):
+    feed(model, prompt[:, t])
+  tokens = [step(model, rngs, prompt[:, -1])]
+  for _ in range(n - 1):
+    tokens.append(step(model, rngs, tokens[-1]))
+  return np.asarray(jnp.stack(tokens, axis=1))
 
 
 # -- data and meshes ---------------------------------------------------------------
@@ -343,7 +466,7 @@ class _nothing:
 def main(argv=None) -> dict:
   """Train and print the losses; ``--save`` writes them and the parameters (``.npz``)."""
   parser = argparse.ArgumentParser(prog='python -m brainnx.examples.transformer', description=__doc__.split('\n')[0])
-  parser.add_argument('--steps', type=int, default=20)
+  parser.add_argument('--steps', type=int, default=None, help='training steps (default 20; 400 with --generate)')
   parser.add_argument('--idiom', choices=('brainnx', 'flax'), default='brainnx')
   parser.add_argument('--devices', type=int, default=None, help='a (data, model) mesh over this many devices')
   parser.add_argument('--build', choices=('inside', 'outside', 'both'), default='inside',
@@ -352,11 +475,19 @@ def main(argv=None) -> dict:
   parser.add_argument('--size', type=int, nargs=4, metavar=('LAYERS', 'WIDTH', 'SEQ', 'BATCH'), default=None,
                       help='a smaller or larger model than the default 4 128 64 8')
   parser.add_argument('--save', default=None, help='write losses and parameters here (process 0)')
+  parser.add_argument('--generate', type=int, nargs='?', const=48, default=None, metavar='N',
+                      help='after training, print N bytes (default 48) the model writes after a prompt taken '
+                           'from the text, one bnx.jit call per byte')
+  parser.add_argument('--temperature', type=float, default=0.7, help='sampling temperature of --generate (0: greedy)')
   parser.add_argument('--distributed', metavar='HOST:PORT', default=None,
                       help='one process of a jax.distributed job whose coordinator listens at HOST:PORT')
   parser.add_argument('--num-processes', type=int, default=None)
   parser.add_argument('--process-id', type=int, default=None)
   args = parser.parse_args(argv)
+  if args.steps is None:
+    args.steps = 20 if args.generate is None else 400
+  if args.generate is not None and args.distributed is not None:
+    parser.error('--generate runs in one process: leave out --distributed')
   if args.distributed is not None:
     if args.num_processes is None or args.process_id is None:
       parser.error('--distributed needs --num-processes and --process-id')
@@ -378,7 +509,27 @@ def main(argv=None) -> dict:
             f'{jax.process_count()} process(es): loss {result["losses"][0]:.4f} -> {result["losses"][-1]:.4f}')
   if jax.process_index() == 0 and args.save:
     np.savez(args.save, **saved)
+  if args.generate is not None:
+    with jax.set_mesh(result['mesh']) if result['mesh'] is not None else _nothing():
+      _print_generated(result['model'], cfg, args, parser)
   return result
+
+
+def _print_generated(model: GPT, cfg: Config, args, parser) -> None:
+  data = text().tobytes()
+  start = max(data.find(b'brainnx brings'), 0)
+  prompt = np.frombuffer(data[start:start + 14], np.uint8).astype(np.int32)[None]
+  if prompt.shape[1] + args.generate > cfg.seq:
+    parser.error(f'--generate {args.generate}: the 14-byte prompt and the new bytes must fit the model\'s '
+                 f'{cfg.seq} positions (at most --generate {cfg.seq - prompt.shape[1]})')
+  rngs = nnx.Rngs(sample=0)
+  begin = time.perf_counter()
+  new = generate(model, prompt, args.generate, rngs, temperature=args.temperature)
+  seconds = time.perf_counter() - begin
+  as_text = lambda b: bytes(np.asarray(b, np.uint8)).decode('utf-8', errors='replace')  # noqa: E731
+  print(f'generated after {args.steps} steps (temperature {args.temperature:g}, '
+        f'{1e3 * seconds / (prompt.shape[1] + args.generate):.1f} ms a byte, compile included):')
+  print(f'{as_text(prompt[0])}|{as_text(new[0])}')
 
 
 if __name__ == '__main__':
