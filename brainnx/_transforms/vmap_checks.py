@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from brainnx import _compat
-from brainnx._engine.discovery import Discovery, RootKind, is_reference
+from brainnx._engine.discovery import Discovery, RootKind
 from brainnx._engine.errors import BatchAxisError
 from brainnx._engine.outputs import Leaf, New, is_output_leaf
 from brainnx._engine.filters import (
