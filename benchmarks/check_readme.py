@@ -58,10 +58,14 @@ def cell(name: str, heading: str, row: str, column: str) -> str:
 
 
 def holds(value: str, figure: str, column: str) -> bool:
-  """Whether a table cell states ``figure``: the same text, or its number in a column whose
-  header names its unit (``µs (median)``, ``aliased (MB)``) or that holds shares."""
+  """Whether a table cell states ``figure``: the same text, either part of a ``time (ratio)``
+  cell (``87 µs (1.22x)``), or its number in a column whose header names its unit
+  (``µs (median)``, ``aliased (MB)``) or that holds shares."""
   value, figure = normal(value), normal(figure)
   if value == figure:
+    return True
+  pair = re.fullmatch(r'([^()]+)\(([^()]+)\)', value)
+  if pair and figure in pair.groups():
     return True
   number, unit = re.fullmatch(rf'({_NUMBER}(?:–{_NUMBER})?)(.*)', figure).groups()
   header = normal(column)

@@ -19,20 +19,26 @@ Three tables, every variant checked equal to the others before it is timed:
    (the new value after ``set_value``). Each call blocks, as a loop that uses its result does.
 
 Statistic: per-call time, the median over interleaved rounds (each variant's calls per round
-calibrated to about 20 ms), on this machine's CPU.
+calibrated to about 20 ms), on this machine's CPU. XLA's backend optimisation is off
+(``--xla_backend_optimization_level=0``, set here before JAX starts): a program with 8,000
+inputs otherwise takes minutes to compile on CPU; every variant runs the same program, so the
+ratios are the cost of the call around it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_backend_optimization_level=0').strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _results import write  # noqa: E402

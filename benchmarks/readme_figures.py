@@ -15,6 +15,10 @@ GRAPH_WARM = ('object_graph.md', 'Warm call')
 GRAPH_NEW = ('object_graph.md', 'Creates and returns')
 GRAPH_ATTACH = ('object_graph.md', 'Attaches an nnx.Intermediate')
 TRANSFORMER = ('transformer.md', 'min–max over 3 runs')
+MANY = ('many_variables.md', 'Per call against the number of Variables')
+DECODE = ('many_variables.md', 'One decode step')
+BETWEEN_800 = ('many_variables.md', 'Other code between calls, 800 Variables')
+BETWEEN_8000 = ('many_variables.md', 'Other code between calls, 8,000 Variables')
 DONATION = ('donation.md', 'Donated training step')
 CHECKPOINTED = ('checkpoint_memory.md', 'tanh RNN')
 
@@ -54,6 +58,25 @@ LEDGER = [
   ('59.7 µs', *GRAPH_NEW, 'raw jax.jit + merge', 'µs (median)'),
   ('84.1 µs', *GRAPH_ATTACH, 'brainnx.jit', 'µs (median)'),
   ('653.3 µs', *GRAPH_ATTACH, 'nnx.jit', 'µs (median)'),
+  ('1.22x', *MANY, '80', 'bnx.jit'),
+  ('1.23x', *MANY, '800', 'bnx.jit'),
+  ('0.94x', *MANY, '8,000', 'bnx.jit'),
+  ('3.26x', *MANY, '80', 'jax.jit over nnx.State (split once)'),
+  ('3.46x', *MANY, '800', 'jax.jit over nnx.State (split once)'),
+  ('3.18x', *MANY, '8,000', 'jax.jit over nnx.State (split once)'),
+  ('58.28x', *MANY, '80', 'nnx.jit'),
+  ('50.93x', *MANY, '800', 'nnx.jit'),
+  ('29.59x', *MANY, '8,000', 'nnx.jit'),
+  ('1.03x', *DECODE, '4 (23 Variables)', 'bnx.jit'),
+  ('1.00x', *DECODE, '32 (23 Variables)', 'bnx.jit'),
+  ('3.39x', *DECODE, '4 (23 Variables)', 'nnx.jit'),
+  ('1.22x', *DECODE, '32 (23 Variables)', 'nnx.jit'),
+  ('2.54x', *BETWEEN_800, 'an nnx.jit eval call on the model', 'bnx.jit call'),
+  ('1.39x', *BETWEEN_8000, 'an nnx.jit eval call on the model', 'bnx.jit call'),
+  ('2.80x', *BETWEEN_800, 'an nnx.jit eval call on the model', 'raw jax.jit call'),
+  ('1.41x', *BETWEEN_8000, 'an nnx.jit eval call on the model', 'raw jax.jit call'),
+  ('1.12x', *BETWEEN_800, 'set_value on one Variable', 'bnx.jit call'),
+  ('0.97x', *BETWEEN_8000, 'set_value on one Variable', 'bnx.jit call'),
   ('46.0–46.9 ms', *TRANSFORMER, 'brainnx, remat, donated', 'step median (ms)'),
   ('47.7–49.6 ms', *TRANSFORMER, 'flax, remat, donated', 'step median (ms)'),
   ('45.4–46.4 ms', *TRANSFORMER, 'jax.jit, remat, donated', 'step median (ms)'),

@@ -36,6 +36,8 @@ SCRIPTS = {
   'scaling': ([], ['--quick'], True),
   'transformer': (['--rounds', '5', '--steps-per-round', '3'], ['--quick'], False),
   'brainstate_loops': ([], ['--rounds', '2'], True),
+  'figure1_seeds': ([], ['--seeds', '3'], True),
+  'many_variables': ([], ['--quick'], True),
 }
 
 

@@ -13,8 +13,11 @@ this repository's own LICENSE and README. Its ``layers`` blocks are one stacked 
   ``jax.set_mesh``, stepped by a donated ``nnx.jit``.
 
 Both start from the same keys and compute the same numbers (``tests/test_transformer.py``).
-Run ``python -m brainnx.examples.transformer --help`` for the command line (also the many-process
-run, ``--distributed``).
+Either decodes byte by byte with a key/value cache (``nnx.Cache`` Variables stacked like the
+blocks): :func:`generate` (one ``bnx.jit`` call per byte, or one compiled loop) and
+:func:`generate_flax` draw the same bytes as a pure-jax decode that recomputes the whole
+sequence. Run ``python -m brainnx.examples.transformer --help`` for the command line (also the
+many-process run, ``--distributed``, and ``--generate``: train, then print what the model writes).
 
 Example:
   >>> from brainnx.examples import transformer as tf

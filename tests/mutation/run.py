@@ -257,6 +257,15 @@ MUTANTS = [
          '  if panel.nll:\n    return mixture(rows)',
          '  if True:\n    return mixture(rows)',
          ('tests/test_demo.py',)),
+  # issue 37: a warm call after edits elsewhere
+  Mutant('edits of the guarded Pytrees are taken for edits elsewhere', 'brainnx/_engine/discovery.py',
+         '          if owner in nodes:\n            touched_nodes = True',
+         '          if False:\n            touched_nodes = True',
+         ('tests/test_guard.py',)),
+  Mutant('a log that no longer reaches back is trusted', 'brainnx/_engine/discovery.py',
+         '      return everything  # the log no longer reaches back to the last check',
+         '      return touched_nodes, touched_variables',
+         ('tests/test_guard.py',)),
 ]
 
 
