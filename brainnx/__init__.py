@@ -1,5 +1,12 @@
 """brainnx: brainstate-style stateful transforms for Flax NNX."""
 
+import os as _os
+
+from brainnx import _compat
+
+# an error raised in user code under a brainnx transform shows the user's frames, not brainnx's
+_compat.hide_frames_under(_os.path.dirname(_compat.__file__) + _os.sep)
+
 from brainnx._transforms.autodiff import hessian, jacfwd, jacrev, jvp, vjp
 from brainnx._transforms.bounded_while import bounded_while_loop
 from brainnx._transforms.control import cond, ifelse, switch

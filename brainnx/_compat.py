@@ -26,6 +26,7 @@ from flax.nnx import tracers as _nnx_tracers
 from jax._src import array as _jax_array
 from jax._src import core as _jax_core
 from jax._src import pjit as _jax_pjit
+from jax._src import traceback_util as _traceback_util
 from jax._src.interpreters import batching as _batching
 from jax._src.lax import lax as _jax_lax
 
@@ -35,8 +36,10 @@ __all__ = [
   'EDIT_LOG',
   'PYTREE_EDITS',
   'Tracer',
+  'api_boundary',
   'at_top_level',
   'attributes',
+  'hide_frames_under',
   'call_jaxpr',
   'can_update',
   'current_trace',
@@ -522,3 +525,17 @@ def weakly_typed(x):
   """``x`` with a weak type, as a Python scalar turned array has (``jax.lax.fori_loop``'s index
   for Python int bounds): ``x * jnp.int8(1)`` is then ``int8``."""
   return _jax_lax._convert_element_type(x, weak_type=True)
+
+
+# -- tracebacks that end in user code -------------------------------------------------
+# JAX removes its own frames from the traceback of an error raised under one of its API
+# boundaries (``JAX_TRACEBACK_FILTERING``); brainnx's entry points are such boundaries, and
+# brainnx's files are excluded the same way, so a user's error shows the user's frames.
+
+#: ``api_boundary(fun)``: ``fun``, with the tracebacks of errors raised under it filtered.
+api_boundary = _traceback_util.api_boundary
+
+
+def hide_frames_under(directory: str) -> None:
+  """Leave the frames of files under ``directory`` out of filtered tracebacks, as JAX's own."""
+  _traceback_util.register_exclusion(directory)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import signal
 import sys
@@ -153,14 +154,14 @@ def build(networks: int, seed: int, hidden: int = HIDDEN, lr: float = LEARNING_R
   """The stacked networks (one ``bnx.vmap`` over the constructor) and one adam optimizer per
   network, made in one compiled program (run eagerly, the mapped constructor dispatches and
   compiles its operations one by one: seconds, where the program takes one compilation)."""
+  return _build(networks, seed, hidden, lr)
+
+
+@functools.partial(bnx.jit, static_argnums=(0, 1, 2, 3))
+def _build(networks: int, seed: int, hidden: int, lr: float):
   rngs = nnx.Rngs(seed)
-
-  @bnx.jit
-  def make():
-    ensemble = bnx.vmap(lambda: MLP(hidden, rngs=rngs), axis_size=networks)()
-    return ensemble, bnx.vmap(lambda m: nnx.Optimizer(m, optax.adam(lr), wrt=nnx.Param))(ensemble)
-
-  return make()
+  ensemble = bnx.vmap(lambda: MLP(hidden, rngs=rngs), axis_size=networks)()
+  return ensemble, bnx.vmap(lambda m: nnx.Optimizer(m, optax.adam(lr), wrt=nnx.Param))(ensemble)
 
 
 def network_loss(model, x, y, nll):

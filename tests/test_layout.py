@@ -4,12 +4,14 @@ a ``match``, no unconditional skip, and the forced device count of conftest.py."
 import ast
 import pathlib
 import re
+import sys
 
 import pytest
 
 from conftest import forced_xla_flags
 
 TESTS = pathlib.Path(__file__).resolve().parent
+ROOT = TESTS.parent
 FILES = sorted(p.name for p in TESTS.glob('*.py'))
 
 
@@ -85,3 +87,35 @@ def test_the_forced_device_count_took_effect():
   import jax
 
   assert jax.local_device_count() == 4
+
+
+def _third_party_imports(paths) -> set[str]:
+  found = set()
+  for path in paths:
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        found |= {a.name.split('.')[0] for a in node.names}
+      elif isinstance(node, ast.ImportFrom) and node.level == 0:
+        found.add(node.module.split('.')[0])
+  return {m for m in found if m not in sys.stdlib_module_names and m != 'brainnx'}
+
+
+def _requirement_names(requirements) -> set[str]:
+  return {re.split(r'[<>=\[ ;]', r)[0].replace('-', '_').split('_')[0] for r in requirements}
+
+
+def test_the_package_imports_only_what_it_declares():
+  """``pip install brainnx`` pulls what the transforms import and nothing else; the demo and the
+  examples' extra imports are the ``demo`` extra's (matplotlib, for the plot, the ``plot``
+  extra's, imported only when present)."""
+  import tomllib
+
+  project = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']
+  package = ROOT / 'brainnx'
+  core = [p for p in package.rglob('*.py') if p.name != 'demo.py' and 'examples' not in p.parts]
+  declared = _requirement_names(project['dependencies'])
+  assert _third_party_imports(core) == declared - {'jaxlib'}, (_third_party_imports(core), declared)
+  extras = project['optional-dependencies']
+  job = [package / 'demo.py', *(package / 'examples').glob('*.py')]
+  allowed = declared | _requirement_names(extras['demo']) | _requirement_names(extras['plot'])
+  assert _third_party_imports(job) <= allowed, _third_party_imports(job) - allowed

@@ -203,13 +203,17 @@ def _pure_logits(params, tokens, cfg):
 def _pure_generate(params, prompt, n, seed, temperature, cfg):
   """Byte by byte, the whole sequence recomputed each time; the ``sample`` stream's keys are
   ``fold_in(key(seed), count)``, as an ``nnx.Rngs(sample=seed)`` draws them."""
-  tokens = jnp.asarray(prompt, jnp.int32)
+  p = prompt.shape[1]
+  # one buffer of the final length: causal attention makes position t's logits independent of
+  # what comes after it, so one compiled forward serves every step
+  tokens = jnp.zeros((prompt.shape[0], p + n), jnp.int32).at[:, :p].set(prompt)
+  forward = jax.jit(lambda params, tokens: _pure_logits(params, tokens, cfg))
   for i in range(n):
-    logits = _pure_logits(params, tokens, cfg)[:, -1]
+    logits = forward(params, tokens)[:, p + i - 1]
     key = jax.random.fold_in(jax.random.key(seed), i)
     nxt = jnp.argmax(logits, -1) if temperature == 0 else jax.random.categorical(key, logits / temperature)
-    tokens = jnp.concatenate([tokens, nxt[:, None].astype(jnp.int32)], axis=1)
-  return np.asarray(tokens[:, prompt.shape[1]:])
+    tokens = tokens.at[:, p + i].set(nxt.astype(jnp.int32))
+  return np.asarray(tokens[:, p:])
 
 
 @pytest.mark.parametrize('temperature', [0.0, 1.0])

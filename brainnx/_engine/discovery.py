@@ -689,8 +689,8 @@ class _Walker:
         codes[name] = GRAPH if self.walk(value, path + (child_key,), root) else STATIC
       if codes[name] == STATIC:
         statics.append((name, static_key(value)))
-    # flax's own bookkeeping (``_pytree__state``: which trace the node belongs to, replaced by
-    # every nnx transform that merges the node) is not compared
+    # flax's own bookkeeping (the node's trace state, which every nnx transform that merges the
+    # node replaces) is not compared
     mask = [codes.get(name, DATA if _compat.is_internal_attribute(name) else STATIC) for name, _ in items]
     self.containers.append(attrs)
     self.counted.append(True)

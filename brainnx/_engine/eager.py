@@ -39,6 +39,7 @@ def eager() -> bool:
   return _compat.at_top_level() and not jax.config.jax_disable_jit
 
 
+@_compat.api_boundary
 def run(
   body: Callable,
   owners: Sequence[Any],

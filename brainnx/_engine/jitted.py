@@ -294,6 +294,7 @@ class JittedFunction:
       _raise_interrupt(e)
       raise
 
+  @_compat.api_boundary
   def _cold_call(self, args, kwargs):
     plan, dyn, disc = self._plan_for(args, kwargs)
     contents, signature = disc.snapshot(), disc.signature
