@@ -42,6 +42,14 @@ def write(name: str, script: str, body: str, statistic: str = STATISTIC, out: Pa
   return path
 
 
+
+def publish(body: str, script: str, *, dry_run: bool = False, statistic: str = STATISTIC) -> None:
+  """Print ``body`` and, unless ``dry_run`` (a script's ``--no-write``), write it stamped to
+  ``results/<script's name>.md``."""
+  print(body)
+  if not dry_run:
+    print('wrote', write(script.replace('.py', '.md'), script, body, statistic))
+
 _UNITS = ('ms', 'µs', 'us', 'MB', 'MiB', 'GB', 's')
 _NUMBER = r'^(-?\d+(?:\.\d+)?)(x|×|%)?$'  # a value, maybe a ratio or a share
 

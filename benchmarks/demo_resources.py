@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _results import write  # noqa: E402
+from _results import publish  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TIME = '/usr/bin/time'
@@ -62,10 +62,7 @@ def main(argv=None) -> None:
   for label, wall, cpu, rss in rows:
     extra = f'{rss - base:.0f}' if 'checkpoint' in label else ''
     lines.append(f'| {label} | {wall:.1f} | {cpu:.0f} | {rss:.0f} | {extra} |')
-  text = '\n'.join(lines)
-  print(text)
-  if not args.no_write:
-    print('wrote', write('demo_resources.md', 'demo_resources.py', text, statistic='one run per row'))
+  publish('\n'.join(lines), 'demo_resources.py', dry_run=args.no_write, statistic='one run per row')
 
 
 if __name__ == '__main__':

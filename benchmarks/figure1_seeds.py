@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _results import write  # noqa: E402
+from _results import publish  # noqa: E402
 
 from brainnx import demo  # noqa: E402
 
@@ -52,10 +52,7 @@ def main(argv=None) -> None:
   lines += ['', f'Ratios: the mean predictive std on one side outside the data over the mean std on |x| <= 4. '
             f'One training of all four panels took {np.median(seconds):.1f} s (median over the seeds, '
             f'compile included, one process).']
-  body = '\n'.join(lines)
-  print(body)
-  if not args.no_write:
-    print('wrote', write('figure1_seeds.md', 'figure1_seeds.py', body, statistic='min and median over seeds'))
+  publish('\n'.join(lines), 'figure1_seeds.py', dry_run=args.no_write, statistic='min and median over seeds')
 
 
 if __name__ == '__main__':

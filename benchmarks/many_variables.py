@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _results import write  # noqa: E402
+from _results import publish  # noqa: E402
 from _timing import best_of  # noqa: E402
 
 import brainnx as bnx  # noqa: E402
@@ -262,10 +262,7 @@ def main(argv=None) -> None:
       '| before each call | raw jax.jit call | bnx.jit call | bnx / raw |',
       '|---|---|---|---|', *rows]))
 
-  body = '\n\n'.join(sections)
-  print(body)
-  if not args.no_write:
-    print('wrote', write('many_variables.md', 'many_variables.py', body))
+  publish('\n\n'.join(sections), 'many_variables.py', dry_run=args.no_write)
 
 
 if __name__ == '__main__':

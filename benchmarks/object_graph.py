@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _results import write  # noqa: E402
+from _results import publish  # noqa: E402
 from _timing import interleaved, table  # noqa: E402
 
 import brainnx as bnx  # noqa: E402
@@ -147,10 +147,7 @@ def main(argv=None) -> None:
     table(f'Attaches an nnx.Intermediate every call, {r} rounds of {c // 4} calls',
           attaching_calls(r, max(1, c // 4)), 'µs', 'raw jax.jit + set'),
   ]
-  text = '\n\n'.join(out)
-  print(text)
-  if not args.no_write:
-    print('wrote', write('object_graph.md', 'object_graph.py', text))
+  publish('\n\n'.join(out), 'object_graph.py', dry_run=args.no_write)
 
 
 if __name__ == '__main__':

@@ -192,8 +192,8 @@ def make_trainer(ensemble, optimizers, panels, epsilon: float, mesh=None, progre
   """
   # the bar's losses: means over panel (i) and panel (iv), as weights (a slice of networks split
   # over devices is not a thing every layout allows)
-  first, last = (np.zeros(sum(p.size for p in panels), np.float32) for _ in range(2))
-  first[panels[0].rows], last[panels[-1].rows] = 1 / panels[0].size, 1 / panels[-1].size
+  mse_mean, nll_mean = (np.zeros(sum(p.size for p in panels), np.float32) for _ in range(2))
+  mse_mean[panels[0].rows], nll_mean[panels[-1].rows] = 1 / panels[0].size, 1 / panels[-1].size
 
   @bnx.vmap(in_axes=(0, 0, 0, 0, None, None), spmd_axis_name=None if mesh is None else 'ens')
   def train_step(model, opt, nll, adversarial, x, y):
@@ -204,7 +204,7 @@ def make_trainer(ensemble, optimizers, panels, epsilon: float, mesh=None, progre
   bars = {}  # one progress bar per loop length, made when that loop is traced
 
   def summary(d):
-    return {'mse': (d['y'] * first).sum(), 'nll': (d['y'] * last).sum()}
+    return {'mse': (d['y'] * mse_mean).sum(), 'nll': (d['y'] * nll_mean).sum()}
 
   def loop(steps: int, x, y, nll, adversarial):
     pbar = bars.setdefault(steps, bnx.ProgressBar(
@@ -216,7 +216,7 @@ def make_trainer(ensemble, optimizers, panels, epsilon: float, mesh=None, progre
 
   layout = None if mesh is None else {NamedSharding(mesh, P('ens')): ...}
   compiled = bnx.jit(loop, static_argnums=0, donate_states=True, state_shardings=layout)
-  network_roles = roles(panels) if mesh is None else shard_rows(mesh, *roles(panels))
+  network_roles = roles(panels) if mesh is None else place(mesh, P('ens'), *roles(panels))
 
   def run(steps: int, x, y):
     return compiled(steps, x, y, *network_roles)
@@ -240,15 +240,10 @@ def make_mesh(devices: int | None):
   return jax.make_mesh((devices or len(found),), ('ens',), devices=found[: devices or len(found)])
 
 
-def replicate(mesh, *arrays):
-  """The same arrays, replicated on every device of ``mesh`` (inputs of a many-process program)."""
-  sharding = NamedSharding(mesh, P())
-  return tuple(jax.make_array_from_callback(np.shape(a), sharding, lambda i, a=np.asarray(a): a[i]) for a in arrays)
-
-
-def shard_rows(mesh, *arrays):
-  """The same arrays split by their first axis over the mesh axis ``'ens'``, as the networks are."""
-  sharding = NamedSharding(mesh, P('ens'))
+def place(mesh, spec, *arrays):
+  """The same host arrays laid out on ``mesh`` by ``spec`` (``P()``: replicated; ``P('ens')``: split
+  by their first axis, as the networks are), each process supplying its own devices' parts."""
+  sharding = NamedSharding(mesh, spec)
   return tuple(jax.make_array_from_callback(np.shape(a), sharding, lambda i, a=np.asarray(a): a[i]) for a in arrays)
 
 
@@ -272,7 +267,7 @@ def train(members: int = 5, steps: int = 3000, seed: int = 0, adversarial: float
   run = make_trainer(ensemble, optimizers, panels, adversarial_epsilon(x, adversarial), progress=progress)
   losses = to_host(run(steps, x, y))
   preds = predict(ensemble, grid)
-  reports = [std_report(grid, *panel_prediction(panel, preds)) for panel in panels]
+  reports = panel_reports(panels, preds, grid)
   return {'panels': panels, 'ensemble': ensemble, 'losses': losses, 'predictions': preds,
           'reports': reports, 'data': (x, y, grid)}
 
@@ -314,6 +309,11 @@ def std_report(grid, mean, std) -> dict:
           'ratio_left': left / std_inside, 'ratio_right': right / std_inside,
           'covered': float((np.abs(target(g) - mean) <= 3 * std).mean()),
           'rmse_inside': float(np.sqrt(((mean - target(g))[inside] ** 2).mean()))}
+
+
+def panel_reports(panels, preds: np.ndarray, grid) -> list[dict]:
+  """``std_report`` of every panel's prediction on ``grid``."""
+  return [std_report(grid, *panel_prediction(panel, preds)) for panel in panels]
 
 
 def report_table(panels, reports, last_losses) -> str:
@@ -639,7 +639,7 @@ def main(argv=None) -> dict:
   ensemble, optimizers = build(networks, args.seed)
   eps = adversarial_epsilon(x, args.adversarial)
   if mesh is not None:
-    x, y, grid = replicate(mesh, x, y, grid)
+    x, y, grid = place(mesh, P(), x, y, grid)
   run = make_trainer(ensemble, optimizers, panels, eps, mesh)
   step, record, ckpt = 0, None, None  # step: the latest step trained (and saved, with checkpoints)
   if args.checkpoint_dir is not None:
@@ -676,7 +676,7 @@ def main(argv=None) -> dict:
   trained = step - resumed_at
 
   preds = predict(ensemble, grid)  # in every process: gathering is a collective
-  reports = [std_report(host_data[2], *panel_prediction(panel, preds)) for panel in panels]
+  reports = panel_reports(panels, preds, host_data[2])
   if png is not None:
     plot(png, panels, preds, host_data)
   if args.save is not None:  # every process gathers (a collective), the lead one writes

@@ -976,3 +976,31 @@ def test_state_in_axes_that_are_not_rules_are_type_errors_naming_the_transform(n
     TAKES_STATE_IN_AXES[name]({'a': nnx.Param})
   with pytest.raises(TypeError, match=rf'^{name}: state_in_axes maps batch axes to filters.*did you mean state_in_axes=\{{0: nnx.Param\}}'):
     TAKES_STATE_IN_AXES[name]({nnx.Param: 0})
+
+
+# -- an error in user code: the traceback ends in user code ----------------------------
+
+
+def _fails_in_user_code(x):
+  return x @ jnp.ones((4, 4))  # (3,) @ (4, 4): a shape error on this line
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_an_error_in_user_code_shows_the_users_line_and_few_brainnx_frames(name):
+  """With JAX_TRACEBACK_FILTERING at its default, every transform leaves brainnx's frames out
+  below its entry point, as JAX does its own: the user's failing line is the deepest frame of
+  user code, and at most two brainnx frames stand between it and the call."""
+  import os
+  import traceback
+
+  assert os.environ.get('JAX_TRACEBACK_FILTERING', 'auto') == 'auto'
+  with pytest.raises(TypeError, match='matmul|dot_general|contracting') as info:
+    make(name, _fails_in_user_code)(X)
+  frames = traceback.extract_tb(info.value.__traceback__)
+  library = os.path.dirname(bnx.__file__)
+  ours = [f'{f.filename}:{f.lineno} {f.name}' for f in frames if f.filename.startswith(library)]
+  assert len(ours) <= 2, ours
+  mine = [f for f in frames if f.filename == __file__]
+  assert mine[-1].name == '_fails_in_user_code'
+  jax_dir = os.path.dirname(jax.__file__)  # below the user's line: jax's own frames only
+  assert all(f.filename.startswith(jax_dir) for f in frames[frames.index(mine[-1]) + 1:])

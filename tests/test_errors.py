@@ -87,36 +87,3 @@ def test_jit_reads_object_variable():
     f(jnp.ones(2))
 
 
-
-# -- tracebacks end in user code ------------------------------------------------------
-
-
-def _user_body(c, x):
-  return c + x @ jnp.ones((4, 4)), None  # a shape error, in user code
-
-
-@pytest.mark.parametrize('call', [
-  lambda: bnx.scan(_user_body, jnp.zeros(3), jnp.ones((5, 3))),
-  lambda: bnx.vmap(lambda x: _user_body(x, x)[0])(jnp.ones((5, 3))),
-  lambda: bnx.jit(lambda x: _user_body(x, x)[0])(jnp.ones(3)),
-  lambda: bnx.grad(lambda x: _user_body(x, x)[0].sum())(jnp.ones(3)),
-], ids=['scan', 'vmap', 'jit', 'grad'])
-def test_an_error_in_user_code_shows_the_users_frames_not_brainnxs(call):
-  """With JAX_TRACEBACK_FILTERING at its default, as jax and equinox do: brainnx's frames are
-  left out below its entry point, so the traceback goes from the call to the user's line."""
-  import os
-  import traceback
-
-  import brainnx
-
-  assert os.environ.get('JAX_TRACEBACK_FILTERING', 'auto') == 'auto'
-  with pytest.raises(TypeError, match='matmul|dot_general|contracting') as info:
-    call()
-  frames = traceback.extract_tb(info.value.__traceback__)
-  library = os.path.dirname(brainnx.__file__)
-  ours = [f for f in frames if f.filename.startswith(library)]
-  assert len(ours) <= 2, [f'{f.filename}:{f.lineno} {f.name}' for f in ours]
-  user = [f for f in frames if f.filename == __file__]
-  assert user[-1].name == '_user_body'  # the deepest frame of this file is the line that failed
-  jax_dir = os.path.dirname(jax.__file__)
-  assert all(f.filename.startswith(jax_dir) for f in frames[frames.index(user[-1]) + 1:])

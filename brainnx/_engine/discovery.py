@@ -900,7 +900,7 @@ def _is_callable_to_explore(obj) -> bool:
     return _user_constructor(obj) is not None
   if isinstance(obj, nnx.Pytree) or is_plain_object(obj):
     return False
-  return callable(obj) and hasattr(obj, '__wrapped__') and not isinstance(obj, type)
+  return callable(obj) and hasattr(obj, '__wrapped__')
 
 
 def discover(fun: Callable, args: tuple, kwargs: dict) -> Discovery:

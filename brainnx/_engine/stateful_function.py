@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.extend
 
+from brainnx import _compat
 from brainnx._engine.arguments import CallArgs, StaticArgs
 from brainnx._engine.caches import LRUCache
 from brainnx._engine.call import check_values
@@ -140,6 +141,7 @@ class StatefulFunction:
         self._cache.set(TraceKey(disc.signature, *key[1:]), trace)
     return trace
 
+  @_compat.api_boundary  # the public methods trace here: an error in user code shows the user's frames
   def _trace(self, args, kwargs):
     call, disc = self._prepare(args, kwargs)
     values = read_values(disc.variables)

@@ -342,8 +342,13 @@ def generate(model: GPT, prompt, n: int, rngs: nnx.Rngs, *, temperature: float =
       return jnp.concatenate([first[None], rest]).T
 
     return np.asarray(run(prompt))
-  feed, step = bnx.jit(model.decode_step), bnx.jit(next_byte)
-  for t in range(p - 1):
+  return _byte_by_byte(bnx.jit(model.decode_step), bnx.jit(next_byte), prompt, n)
+
+
+def _byte_by_byte(feed, step, prompt, n: int) -> np.ndarray:
+  """The host loop of a decode: ``feed`` every prompt byte but the last, then ``step`` (feed a
+  byte, sample the next) from the last prompt byte on, ``n`` times: ``(batch, n)``."""
+  for t in range(prompt.shape[1] - 1):
     feed(prompt[:, t])
   tokens = [step(prompt[:, -1])]
   for _ in range(n - 1):
@@ -358,12 +363,7 @@ def generate_flax(model: FlaxGPT, prompt, n: int, rngs: nnx.Rngs, *, temperature
   model.init_cache(batch, p + n)
   feed = nnx.jit(lambda model, token: model.decode_step(token))
   step = nnx.jit(lambda model, rngs, token: sample(model.decode_step(token), rngs.sample(), temperature))
-  for t in range(p - 1):
-    feed(model, prompt[:, t])
-  tokens = [step(model, rngs, prompt[:, -1])]
-  for _ in range(n - 1):
-    tokens.append(step(model, rngs, tokens[-1]))
-  return np.asarray(jnp.stack(tokens, axis=1))
+  return _byte_by_byte(lambda token: feed(model, token), lambda token: step(model, rngs, token), prompt, n)
 
 
 # -- data and meshes ---------------------------------------------------------------
