@@ -34,8 +34,10 @@ __all__ = [
   'ArrayImpl',
   'DataAttribute',
   'EDIT_LOG',
+  'KEPT_VALUES',
   'PYTREE_EDITS',
   'Tracer',
+  'VALUE_WRITES',
   'api_boundary',
   'at_top_level',
   'attributes',
@@ -59,6 +61,7 @@ __all__ = [
   'set_raw_value',
   'set_raw_values',
   'to_predicate',
+  'values_written',
   'with_debug_names',
 ]
 
@@ -79,14 +82,73 @@ def set_raw_value(variable, value) -> None:
   brainnx only calls this after it has decided itself that the write is legal
   (eager write-back of a compiled result, or restoring a pre-call value).
   """
-  object.__setattr__(variable, '_raw_value', value)
+  try:
+    object.__setattr__(variable, '_raw_value', value)
+  finally:
+    values_written()
 
 
 def set_raw_values(variables, values) -> None:
   """``set_raw_value`` for many Variables at once (the jit write-back loop)."""
   store = object.__setattr__
-  for variable, value in zip(variables, values):
-    store(variable, '_raw_value', value)
+  try:
+    for variable, value in zip(variables, values):
+      store(variable, '_raw_value', value)
+  finally:
+    values_written()
+
+
+# A warm compiled call passes the values of its Variables; reading 800 of them costs about as
+# much as the rest of the call's Python. So the last list each warm call passed is kept while
+# no Variable's value has been written since, by anyone: every way a value is stored (flax's
+# setattr, which set_value, ``v[...] = x``, ``nnx.update`` and copy_from go through, flax's
+# raw updates after ``nnx.cached_partial`` calls, unpickling, and brainnx's own writes above)
+# first stores, then counts and empties the kept lists. A kept list holds exactly the
+# Variables' current values, so keeping it costs no memory. Writes that bypass flax
+# (``object.__setattr__`` on a Variable) are not seen.
+
+#: ``VALUE_WRITES[0]``: how many times any Variable's value was written.
+VALUE_WRITES = [0]
+
+#: The values a warm call passed last, by its key; emptied on every write of any value.
+KEPT_VALUES: dict = {}
+
+
+def values_written() -> None:
+  """Count a write of Variable values and forget every kept list (after the write; emptied
+  before and after the count, so a list kept by another thread during it does not survive)."""
+  if KEPT_VALUES:
+    KEPT_VALUES.clear()
+  VALUE_WRITES[0] += 1
+  if KEPT_VALUES:
+    KEPT_VALUES.clear()
+
+
+def _count_value_writes() -> None:
+  from flax import nnx
+  from flax.nnx.transforms import compilation as _compilation
+
+  def counted(method: Callable, metadata: bool = False) -> Callable:
+    @functools.wraps(method)
+    def counting(*args, **kwargs):
+      try:
+        return method(*args, **kwargs)
+      finally:
+        values_written()
+        if metadata or (len(args) > 1 and args[1] == '_var_metadata'):  # update_from_state
+          PYTREE_EDITS[0] += 1
+          EDIT_LOG.append((PYTREE_EDITS[0], id(args[0])))
+
+    counting.__wrapped_for_values__ = method
+    return counting
+
+  variable = nnx.Variable
+  if hasattr(variable.__dict__['__setattr__'], '__wrapped_for_values__'):  # a reload
+    return
+  variable.__setattr__ = counted(variable.__dict__['__setattr__'])
+  variable.__setstate__ = counted(variable.__dict__['__setstate__'])
+  variable.copy_from = counted(variable.__dict__['copy_from'], metadata=True)
+  _compilation._apply_raw_updates = counted(_compilation._apply_raw_updates)
 
 
 # -- attributes of graph nodes and plain objects --------------------------------
@@ -284,6 +346,7 @@ def _count_metadata_edits() -> None:
 
 
 _count_metadata_edits()
+_count_value_writes()
 
 #: ``metadata_of(variable)``: the Variable's live metadata dict (no copy).
 metadata_of = operator.attrgetter('_var_metadata')

@@ -251,6 +251,80 @@ def test_metadata_set_between_calls_is_seen(name):
   assert_matches(name, g(X), lambda x: x * 5.0, X)
 
 
+class _Holder(nnx.Module):
+  def __init__(self):
+    self.w = nnx.Param(jnp.ones(3))
+
+
+def _write_by_nnx_jit(holder, value):
+  nnx.jit(lambda h: h.w.set_value(value))(holder)
+
+
+def _write_by_cached_partial(holder, value):
+  nnx.cached_partial(nnx.jit(lambda h: h.w.set_value(value)), holder)()
+
+
+_WRITERS = {}  # (id(holder), maker) -> a compiled writer (it holds the holder: the id stays its own)
+
+
+def _warm_writer(holder, make_writer):
+  """A writer made on the first call and warm on later ones: its compiled write-back is what
+  a warm call of the function under test must see."""
+  key = (id(holder), make_writer)
+  if key not in _WRITERS:
+    _WRITERS[key] = make_writer(holder)
+    _WRITERS[key](holder.w[...])
+  return _WRITERS[key]
+
+
+def _set_w(holder, value):
+  holder.w.set_value(value)
+
+
+def _jit_partial_writer(holder):
+  return nnx.jit_partial(_set_w, holder, graph_updates=False)
+
+
+def _bnx_writer(holder):
+  return bnx.jit(functools.partial(_set_w, holder))
+
+
+def _write_by_jit_partial(holder, value):
+  _warm_writer(holder, _jit_partial_writer)(value)  # flax's raw write-back, not its setattr
+
+
+def _write_by_warm_bnx_jit(holder, value):
+  _warm_writer(holder, _bnx_writer)(value)
+
+
+# Every route by which code outside the transform stores a Variable's new value.
+VALUE_ROUTES = {
+  'set_value': lambda h, v: h.w.set_value(v),
+  'setitem': lambda h, v: h.w.__setitem__(..., v),
+  'nnx.update': lambda h, v: nnx.update(h, nnx.State({'w': nnx.Param(v)})),
+  'update_from_state': lambda h, v: h.w.update_from_state(nnx.Param(v)),
+  'copy_from': lambda h, v: h.w.copy_from(nnx.Param(v)),
+  'nnx.jit': _write_by_nnx_jit,
+  'nnx.cached_partial': _write_by_cached_partial,
+  'nnx.jit_partial': _write_by_jit_partial,
+  'another bnx.jit': _write_by_warm_bnx_jit,
+}
+
+
+@pytest.mark.parametrize('route', VALUE_ROUTES)
+@pytest.mark.parametrize('name', RUNS)
+def test_a_value_written_between_calls_is_what_the_next_call_reads(name, route):
+  """Warm calls keep the values they passed while nothing writes any Variable; each way of
+  writing one from outside is seen by the next call."""
+  holder = _Holder()
+  g = make(name, lambda x: x * holder.w[...])
+  g(X), g(X)
+  VALUE_ROUTES[route](holder, jnp.full(3, 3.0, jnp.float32))  # not weakly typed: no retrace
+  assert_matches(name, g(X), lambda x: x * 3.0, X)
+  VALUE_ROUTES[route](holder, jnp.full(3, -2.0, jnp.float32))
+  assert_matches(name, g(X), lambda x: x * -2.0, X)
+
+
 @pytest.mark.parametrize('name', CACHED)
 def test_one_trace_after_disable_jit(name):
   count = [0]

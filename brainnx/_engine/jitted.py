@@ -199,7 +199,7 @@ def _warm_call(plan: _Plan):
   every attribute lookup here is paid on every call.
   """
   guard, compiled, variables, me, current = plan.disc.guard.ok, plan.compiled, plan.variables, plan.me, _CURRENT
-  fast_dyn, read, raw, changes, write, finish = _FAST_DYN, read_values, _compat.raw_value, STATE_CHANGES, _write, _finish
+  fast_dyn, kept, fresh, write, finish = _FAST_DYN, _compat.KEPT_VALUES, _fresh_values, _write, _finish
   call = plan.call
   n = call.n_args
 
@@ -220,11 +220,10 @@ def _warm_call(plan: _Plan):
           return _MISS
       if not guard():
         return _MISS
-      # read_values and _complete, inlined: this is the whole cost of a warm call beyond JAX's
-      begun = changes[1]
-      values = list(map(raw, variables))
-      if changes[0] or changes[1] != begun:  # another thread's trace or write-back: read under the lock
-        values = read(variables)
+      # _complete, inlined: this is the whole cost of a warm call beyond JAX's
+      values = kept.get(me)
+      if values is None:
+        values = fresh(plan)
       current.plan = me
       result = compiled(values, *args)
       kind = type(result)
@@ -245,6 +244,20 @@ def _warm_call(plan: _Plan):
     return _complete(plan, compiled(*plan.state(), *dyn))
 
   return warm_general
+
+
+def _fresh_values(plan: _Plan) -> list:
+  """The Variables' values as a warm call reads them when it kept none: kept for the next call
+  if no value was written meanwhile (see ``_compat.KEPT_VALUES``)."""
+  changes, writes = STATE_CHANGES, _compat.VALUE_WRITES
+  mark, begun = writes[0], changes[1]
+  if not changes[0]:
+    values = list(map(_compat.raw_value, plan.variables))
+    if changes[1] == begun and not changes[0]:  # no other thread's trace or write-back meanwhile
+      if writes[0] == mark:
+        _compat.KEPT_VALUES[plan.me] = values
+      return values
+  return read_values(plan.variables)
 
 
 def _raise_interrupt(error: BaseException) -> None:
@@ -416,6 +429,8 @@ class JittedFunction:
   def _drop_plan(self, key) -> None:
     plan = self._plans.get(key)
     self._plans.pop(key)
+    if plan is not None:
+      _compat.KEPT_VALUES.pop(plan.me, None)
     if plan is not None and self._warm is plan.warm:
       self._warm = _cold
 
@@ -444,6 +459,7 @@ class JittedFunction:
     with self._lock:
       self._compiled.clear()
     self._plans.clear()
+    _compat.KEPT_VALUES.clear()  # other functions' lists too: they are read again next call
     self._warm = _cold
     self.stateful_fun.clear_cache()
 
@@ -623,7 +639,14 @@ def _complete(plan: _Plan, result):
 def _write(plan: _Plan, written: dict) -> None:
   values = written.values()
   if type(next(iter(values))) is _compat.ArrayImpl:  # concrete: we run eagerly, the write is ours
+    mark = _compat.VALUE_WRITES[0]
+    kept = _compat.KEPT_VALUES.get(plan.me)
     set_values(list(map(plan.variables.__getitem__, written)), values)
+    if kept is not None and _compat.VALUE_WRITES[0] == mark + 1:  # ours was the only write
+      kept = list(kept)  # a new list: another thread may be passing the old one
+      for i, x in zip(written, values):
+        kept[i] = x
+      _compat.KEPT_VALUES[plan.me] = kept
   else:
     write_values(plan.disc, tuple(written), tuple(values))
 

@@ -266,6 +266,24 @@ MUTANTS = [
          '      return everything  # the log no longer reaches back to the last check',
          '      return touched_nodes, touched_variables',
          ('tests/test_guard.py',)),
+  # issue 37: the values a warm call kept
+  Mutant('flax setattr writes keep the kept values', 'brainnx/_compat.py',
+         "  variable.__setattr__ = counted(variable.__dict__['__setattr__'])\n", '',
+         ('-k', 'value_written', 'tests/test_conformance.py')),
+  Mutant('nnx.jit_partial write-backs keep the kept values', 'brainnx/_compat.py',
+         '  _compilation._apply_raw_updates = counted(_compilation._apply_raw_updates)\n', '',
+         ('-k', 'value_written', 'tests/test_conformance.py')),
+  Mutant('a counted write empties no kept list', 'brainnx/_compat.py',
+         '  if KEPT_VALUES:\n    KEPT_VALUES.clear()\n  VALUE_WRITES[0] += 1\n  if KEPT_VALUES:\n    KEPT_VALUES.clear()\n',
+         '  VALUE_WRITES[0] += 1\n',
+         ('-k', 'value_written', 'tests/test_conformance.py')),
+  Mutant("brainnx's own batch writes are not counted", 'brainnx/_compat.py',
+         '    for variable, value in zip(variables, values):\n      store(variable, \'_raw_value\', value)\n  finally:\n    values_written()',
+         '    for variable, value in zip(variables, values):\n      store(variable, \'_raw_value\', value)\n  finally:\n    pass',
+         ('-k', 'value_written', 'tests/test_conformance.py')),
+  Mutant('a write-back leaves the kept values from before it', 'brainnx/_engine/jitted.py',
+         '        kept[i] = x\n', '        pass\n',
+         ('tests/test_jit.py',)),
 ]
 
 
