@@ -34,6 +34,7 @@ __all__ = [
   'ArrayImpl',
   'DataAttribute',
   'EDIT_LOG',
+  'KEPT_LOCK',
   'KEPT_VALUES',
   'PYTREE_EDITS',
   'Tracer',
@@ -99,56 +100,101 @@ def set_raw_values(variables, values) -> None:
 
 
 # A warm compiled call passes the values of its Variables; reading 800 of them costs about as
-# much as the rest of the call's Python. So the last list each warm call passed is kept while
-# no Variable's value has been written since, by anyone: every way a value is stored (flax's
-# setattr, which set_value, ``v[...] = x``, ``nnx.update`` and copy_from go through, flax's
-# raw updates after ``nnx.cached_partial`` calls, unpickling, and brainnx's own writes above)
-# first stores, then counts and empties the kept lists. A kept list holds exactly the
+# much as the rest of the call's Python. So each warm call keeps the list it passed, and every
+# way a value is stored keeps the lists true: flax's setattr (which set_value, ``v[...] = x``,
+# ``nnx.update`` and update_from_state go through) puts the new value into each kept list that
+# holds the Variable, in place (a list not holding it stays as it is); copy_from, unpickling,
+# nnx.jit_partial's raw write-back and brainnx's own writes above forget every kept list. Each
+# of these counts the write, after storing it, under KEPT_LOCK. A kept list holds exactly the
 # Variables' current values, so keeping it costs no memory. Writes that bypass flax
 # (``object.__setattr__`` on a Variable) are not seen.
 
-#: ``VALUE_WRITES[0]``: how many times any Variable's value was written.
+#: ``VALUE_WRITES[0]``: how many times a Variable's value was written.
 VALUE_WRITES = [0]
 
-#: The values a warm call passed last, by its key; emptied on every write of any value.
+#: Per warm call (a key it chooses): ``(positions, values)``, where ``positions`` maps
+#: ``id(variable)`` to its index in ``values``, the list the call passed last.
 KEPT_VALUES: dict = {}
 
+#: Held while counting a write and changing a kept list, and while a call keeps a list (only
+#: if no write was counted since it began reading).
+KEPT_LOCK = threading.Lock()
 
-def values_written() -> None:
-  """Count a write of Variable values and forget every kept list (after the write; emptied
-  before and after the count, so a list kept by another thread during it does not survive)."""
-  if KEPT_VALUES:
-    KEPT_VALUES.clear()
-  VALUE_WRITES[0] += 1
-  if KEPT_VALUES:
-    KEPT_VALUES.clear()
+
+def values_written(variable=None) -> None:
+  """Count a write of Variable values (after it is stored): every kept list holding
+  ``variable`` gets its new value if that is a concrete array; otherwise, or with no
+  ``variable`` (writes of many), every list is forgotten."""
+  with KEPT_LOCK:
+    VALUE_WRITES[0] += 1
+    if not KEPT_VALUES:
+      return
+    if variable is None:
+      KEPT_VALUES.clear()
+      return
+    new = variable._raw_value
+    if type(new) is not ArrayImpl:  # a tracer (inside a trace), a pytree, a numpy array
+      KEPT_VALUES.clear()
+      return
+    key = id(variable)
+    for positions, values in list(KEPT_VALUES.values()):
+      i = positions.get(key)
+      if i is not None:
+        values[i] = new
 
 
 def _count_value_writes() -> None:
   from flax import nnx
   from flax.nnx.transforms import compilation as _compilation
 
-  def counted(method: Callable, metadata: bool = False) -> Callable:
-    @functools.wraps(method)
-    def counting(*args, **kwargs):
-      try:
-        return method(*args, **kwargs)
-      finally:
-        values_written()
-        if metadata or (len(args) > 1 and args[1] == '_var_metadata'):  # update_from_state
-          PYTREE_EDITS[0] += 1
-          EDIT_LOG.append((PYTREE_EDITS[0], id(args[0])))
+  def edited_metadata(variable) -> None:
+    PYTREE_EDITS[0] += 1
+    EDIT_LOG.append((PYTREE_EDITS[0], id(variable)))
 
+  def marked(counting: Callable, method: Callable) -> Callable:
+    counting = functools.wraps(method)(counting)
     counting.__wrapped_for_values__ = method
     return counting
 
   variable = nnx.Variable
-  if hasattr(variable.__dict__['__setattr__'], '__wrapped_for_values__'):  # a reload
+  setattr_, setstate, copy_from = (variable.__dict__[name] for name in ('__setattr__', '__setstate__', 'copy_from'))
+  if hasattr(setattr_, '__wrapped_for_values__'):  # installed already (a reload)
     return
-  variable.__setattr__ = counted(variable.__dict__['__setattr__'])
-  variable.__setstate__ = counted(variable.__dict__['__setstate__'])
-  variable.copy_from = counted(variable.__dict__['copy_from'], metadata=True)
-  _compilation._apply_raw_updates = counted(_compilation._apply_raw_updates)
+
+  def counting_setattr(self, name, value):
+    try:
+      return setattr_(self, name, value)
+    finally:
+      if name == '_raw_value':
+        values_written(self)
+      elif name == '_var_metadata':  # update_from_state replacing the metadata
+        edited_metadata(self)
+
+  def counting_setstate(self, state):
+    try:
+      return setstate(self, state)
+    finally:
+      values_written()
+
+  def counting_copy_from(self, other):
+    try:
+      return copy_from(self, other)
+    finally:
+      values_written()
+      edited_metadata(self)
+
+  apply_raw_updates = _compilation._apply_raw_updates
+
+  def counting_raw_updates(*args, **kwargs):
+    try:
+      return apply_raw_updates(*args, **kwargs)
+    finally:
+      values_written()
+
+  variable.__setattr__ = marked(counting_setattr, setattr_)
+  variable.__setstate__ = marked(counting_setstate, setstate)
+  variable.copy_from = marked(counting_copy_from, copy_from)
+  _compilation._apply_raw_updates = marked(counting_raw_updates, apply_raw_updates)
 
 
 # -- attributes of graph nodes and plain objects --------------------------------

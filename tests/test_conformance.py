@@ -253,6 +253,7 @@ def test_metadata_set_between_calls_is_seen(name):
 
 class _Holder(nnx.Module):
   def __init__(self):
+    self.a = nnx.Param(jnp.full(3, 0.5))  # read too, never written: its kept value must stay
     self.w = nnx.Param(jnp.ones(3))
 
 
@@ -301,7 +302,7 @@ def _write_by_warm_bnx_jit(holder, value):
 VALUE_ROUTES = {
   'set_value': lambda h, v: h.w.set_value(v),
   'setitem': lambda h, v: h.w.__setitem__(..., v),
-  'nnx.update': lambda h, v: nnx.update(h, nnx.State({'w': nnx.Param(v)})),
+  'nnx.update': lambda h, v: nnx.update(h, nnx.State({'a': nnx.Param(h.a[...]), 'w': nnx.Param(v)})),
   'update_from_state': lambda h, v: h.w.update_from_state(nnx.Param(v)),
   'copy_from': lambda h, v: h.w.copy_from(nnx.Param(v)),
   'nnx.jit': _write_by_nnx_jit,
@@ -314,15 +315,17 @@ VALUE_ROUTES = {
 @pytest.mark.parametrize('route', VALUE_ROUTES)
 @pytest.mark.parametrize('name', RUNS)
 def test_a_value_written_between_calls_is_what_the_next_call_reads(name, route):
-  """Warm calls keep the values they passed while nothing writes any Variable; each way of
-  writing one from outside is seen by the next call."""
-  holder = _Holder()
-  g = make(name, lambda x: x * holder.w[...])
+  """Warm calls keep the values they passed (see ``_compat.KEPT_VALUES``); each way of writing
+  a Variable from outside is seen by the next call, and a write elsewhere changes nothing."""
+  holder, other = _Holder(), _Holder()
+  g = make(name, lambda x: x * holder.w[...] + holder.a[...])
   g(X), g(X)
   VALUE_ROUTES[route](holder, jnp.full(3, 3.0, jnp.float32))  # not weakly typed: no retrace
-  assert_matches(name, g(X), lambda x: x * 3.0, X)
+  assert_matches(name, g(X), lambda x: x * 3.0 + 0.5, X)
   VALUE_ROUTES[route](holder, jnp.full(3, -2.0, jnp.float32))
-  assert_matches(name, g(X), lambda x: x * -2.0, X)
+  assert_matches(name, g(X), lambda x: x * -2.0 + 0.5, X)
+  VALUE_ROUTES[route](other, jnp.full(3, 7.0, jnp.float32))  # another model's Variable
+  assert_matches(name, g(X), lambda x: x * -2.0 + 0.5, X)
 
 
 @pytest.mark.parametrize('name', CACHED)

@@ -126,9 +126,19 @@ class _Plan:
     self.call = dataclasses.replace(call, refs=())  # held weakly below
     self.ref_refs = tuple(weak_or_strong(x, on_drop) for x in call.refs)
     self.me = weakref.ref(self)
+    self.kept_lists = _compat.KEPT_VALUES  # held here: dropped plans may outlive the module at exit
+    self._positions = None
+    # a data attribute's array is written by plain setattr, which counts no value write
+    self.keeps_values = not any(type(v) is _compat.DataAttribute for v in disc.variables)
     self.ran = False  # whether a call has run this plan (see JitOptions.compile_on_reuse)
     self.variables = disc.variables
     self.warm = _warm_call(self)
+
+  def positions(self) -> dict:
+    """``id(variable)`` -> its index in discovery order (made once, when a list is first kept)."""
+    if self._positions is None:
+      self._positions = {id(v): i for i, v in enumerate(self.variables)}
+    return self._positions
 
   def live_call(self) -> CallArgs:
     """The call with its reference arguments (alive while a call that passed them runs)."""
@@ -221,9 +231,8 @@ def _warm_call(plan: _Plan):
       if not guard():
         return _MISS
       # _complete, inlined: this is the whole cost of a warm call beyond JAX's
-      values = kept.get(me)
-      if values is None:
-        values = fresh(plan)
+      entry = kept.get(me)
+      values = fresh(plan) if entry is None else entry[1]
       current.plan = me
       result = compiled(values, *args)
       kind = type(result)
@@ -254,8 +263,9 @@ def _fresh_values(plan: _Plan) -> list:
   if not changes[0]:
     values = list(map(_compat.raw_value, plan.variables))
     if changes[1] == begun and not changes[0]:  # no other thread's trace or write-back meanwhile
-      if writes[0] == mark:
-        _compat.KEPT_VALUES[plan.me] = values
+      with _compat.KEPT_LOCK:
+        if writes[0] == mark and plan.keeps_values:
+          _compat.KEPT_VALUES[plan.me] = (plan.positions(), values)
       return values
   return read_values(plan.variables)
 
@@ -430,7 +440,7 @@ class JittedFunction:
     plan = self._plans.get(key)
     self._plans.pop(key)
     if plan is not None:
-      _compat.KEPT_VALUES.pop(plan.me, None)
+      plan.kept_lists.pop(plan.me, None)
     if plan is not None and self._warm is plan.warm:
       self._warm = _cold
 
@@ -639,14 +649,16 @@ def _complete(plan: _Plan, result):
 def _write(plan: _Plan, written: dict) -> None:
   values = written.values()
   if type(next(iter(values))) is _compat.ArrayImpl:  # concrete: we run eagerly, the write is ours
-    mark = _compat.VALUE_WRITES[0]
-    kept = _compat.KEPT_VALUES.get(plan.me)
-    set_values(list(map(plan.variables.__getitem__, written)), values)
-    if kept is not None and _compat.VALUE_WRITES[0] == mark + 1:  # ours was the only write
-      kept = list(kept)  # a new list: another thread may be passing the old one
-      for i, x in zip(written, values):
-        kept[i] = x
-      _compat.KEPT_VALUES[plan.me] = kept
+    with _compat.KEPT_LOCK:
+      mark, entry = _compat.VALUE_WRITES[0], _compat.KEPT_VALUES.get(plan.me)
+    set_values(list(map(plan.variables.__getitem__, written)), values)  # forgets every kept list
+    if entry is not None:
+      with _compat.KEPT_LOCK:
+        if _compat.VALUE_WRITES[0] == mark + 1:  # ours was the only write: keep ours, updated
+          kept = entry[1]
+          for i, x in zip(written, values):
+            kept[i] = x
+          _compat.KEPT_VALUES[plan.me] = entry
   else:
     write_values(plan.disc, tuple(written), tuple(values))
 

@@ -1,0 +1,138 @@
+"""The first call of a fresh function (trace + compile), each timed in a fresh process.
+
+Run: ``python benchmarks/first_call.py [--rounds 7] [--depths 100 500]``
+(writes ``results/first_call.md``).
+
+Model: the MLP of ``overhead.py`` (``depth`` Linear(32, 32) layers, ReLU between, batch 16).
+Each sample is one process that imports everything, builds the model, makes one call of the
+same variant on a 2-layer model (so starting JAX's backend is not counted), then times the
+first call of a fresh function on the deep model, result included (blocking). Processes are
+fresh so that no variant finds what another one compiled or lowered (JAX caches lowering
+rules per primitive and process). Variants:
+
+  raw jax.jit                          a pure function of the flat arrays (the floor)
+  jax.jit over nnx.State (split once)  flax's performance-guide idiom: the same nnx model
+                                       forward, merged inside the traced function
+  brainnx.jit (closure)                ``bnx.jit(lambda x: model(x))``
+  brainnx.jit (arg)                    ``bnx.jit(lambda m, x: m(x))(model, x)``
+  nnx.jit                              ``nnx.jit(lambda m, x: m(x))(model, x)``
+
+Statistic: the median over rounds in which the variants take turns, one process each.
+The split-once row is the cost of the nnx model's own forward (its Linear layers trace more
+operations than ``x @ w + b``): what any library calling that model pays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+VARIANTS = ('raw jax.jit', 'jax.jit over nnx.State (split once)', 'brainnx.jit (closure)',
+            'brainnx.jit (arg)', 'nnx.jit')
+
+
+def _maker(name: str, depth: int):
+  """A function of no arguments making the variant's first call on a fresh ``depth`` model."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  sys.path.insert(0, str(HERE))
+  import _peers
+  from overhead import Stack, pure_flat
+
+  import brainnx as bnx
+
+  x = jnp.ones((16, 32))
+  model = Stack(depth, nnx.Rngs(0), 32)
+  if name == 'raw jax.jit':
+    flat = [a for pair in _peers.params_of(model.layers) for a in pair]
+    return lambda: jax.jit(lambda *flat: pure_flat(*flat))(*flat, x)
+  if name == 'jax.jit over nnx.State (split once)':
+    graphdef, state = nnx.split(model)
+    return lambda: jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))(state, x)
+  if name == 'brainnx.jit (closure)':
+    return lambda: bnx.jit(lambda x: model(x))(x)
+  if name == 'brainnx.jit (arg)':
+    return lambda: bnx.jit(lambda m, x: m(x))(model, x)
+  if name == 'nnx.jit':
+    return lambda: nnx.jit(lambda m, x: m(x))(model, x)
+  raise SystemExit(f'unknown variant {name!r}')
+
+
+def child(name: str, depth: int) -> None:
+  import jax
+
+  jax.block_until_ready(_maker(name, 2)())  # the backend starts here, not in the timed call
+  first = _maker(name, depth)
+  t0 = time.perf_counter()
+  jax.block_until_ready(first())
+  print(f'{(time.perf_counter() - t0) * 1e3:.3f}')
+
+
+def sample(name: str, depth: int, timeout: float = 300) -> float:
+  done = subprocess.run([sys.executable, __file__, '--child', name, str(depth)], capture_output=True,
+                        text=True, timeout=timeout, check=False)
+  if done.returncode:
+    raise SystemExit(f'{name} at {depth} layers failed:\n{done.stderr[-2000:]}')
+  return float(done.stdout.split()[-1])
+
+
+def measure(depths, rounds: int) -> dict[int, dict[str, float]]:
+  results = {}
+  for depth in depths:
+    samples = {name: [] for name in VARIANTS}
+    for r in range(rounds):
+      order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]  # a different one first
+      for name in order:
+        samples[name].append(sample(name, depth))
+      print(f'  {depth} layers, round {r + 1}: '
+            + ', '.join(f'{n} {samples[n][-1]:.0f} ms' for n in VARIANTS), flush=True)
+    results[depth] = {name: statistics.median(s) for name, s in samples.items()}
+  return results
+
+
+def render(results: dict[int, dict[str, float]], rounds: int) -> str:
+  import flax
+  import jax
+
+  lines = [
+    '### First call (trace + compile) of a fresh function, one fresh process per sample',
+    '',
+    f'Milliseconds, median over {rounds} rounds; in brackets the ratio to raw jax.jit. '
+    f'jax {jax.__version__}, flax {flax.__version__}, cpu.',
+    '',
+    '| layers | ' + ' | '.join(VARIANTS) + ' | brainnx (closure) / split once |',
+    '|---:|' + '---:|' * (len(VARIANTS) + 1),
+  ]
+  for depth, row in results.items():
+    base = row['raw jax.jit']
+    cells = ' | '.join(f'{t:.0f} ({t / base:.2f}x)' for t in row.values())
+    own = row['brainnx.jit (closure)'] / row['jax.jit over nnx.State (split once)']
+    lines.append(f'| {depth} | {cells} | {own:.2f}x |')
+  return '\n'.join(lines)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--child', nargs=2, metavar=('VARIANT', 'DEPTH'), help=argparse.SUPPRESS)
+  parser.add_argument('--depths', type=int, nargs='+', default=[100, 500])
+  parser.add_argument('--rounds', type=int, default=7)
+  parser.add_argument('--no-write', dest='write', action='store_false', help='print only')
+  args = parser.parse_args(argv)
+  if args.child:
+    return child(args.child[0], int(args.child[1]))
+  sys.path.insert(0, str(HERE))
+  from _results import publish
+
+  body = render(measure(args.depths, args.rounds), args.rounds)
+  publish(body, 'first_call.py', dry_run=not args.write)
+
+
+if __name__ == '__main__':
+  main()
