@@ -4,9 +4,9 @@ Run: ``python benchmarks/first_call.py [--rounds 7] [--depths 100 500]``
 (writes ``results/first_call.md``).
 
 Model: the MLP of ``overhead.py`` (``depth`` Linear(32, 32) layers, ReLU between, batch 16).
-Each sample is one process that imports everything, builds the model, makes one call of the
-same variant on a 2-layer model (so starting JAX's backend is not counted), then times the
-first call of a fresh function on the deep model, result included (blocking). Processes are
+Each sample is one process that imports everything, makes one call of the same variant on a
+2-layer model (so starting JAX's backend is not counted), then times the first call of a fresh
+function on a fresh deep model, result included (blocking), three times, and reports the median. Processes are
 fresh so that no variant finds what another one compiled or lowered (JAX caches lowering
 rules per primitive and process). Variants:
 
@@ -18,6 +18,8 @@ rules per primitive and process). Variants:
   nnx.jit                              ``nnx.jit(lambda m, x: m(x))(model, x)``
 
 Statistic: the median over rounds in which the variants take turns, one process each.
+Python's own cost is at most a few per cent of a first call (tracing is mostly JAX's work and
+compiling all of it); the rest is the machine's noise, which fresh processes do not remove.
 The split-once row is the cost of the nnx model's own forward (its Linear layers trace more
 operations than ``x @ w + b``): what any library calling that model pays.
 """
@@ -65,46 +67,50 @@ def _maker(name: str, depth: int):
   raise SystemExit(f'unknown variant {name!r}')
 
 
-def child(name: str, depth: int) -> None:
+def child(name: str, depth: int, trials: int) -> None:
   import jax
 
   jax.block_until_ready(_maker(name, 2)())  # the backend starts here, not in the timed call
-  first = _maker(name, depth)
-  t0 = time.perf_counter()
-  jax.block_until_ready(first())
-  print(f'{(time.perf_counter() - t0) * 1e3:.3f}')
+  times = []
+  for _ in range(trials):  # each trial a fresh model and a fresh function: a first call each
+    first = _maker(name, depth)
+    t0 = time.perf_counter()
+    jax.block_until_ready(first())
+    times.append((time.perf_counter() - t0) * 1e3)
+  print(f'{statistics.median(times):.3f}')
 
 
-def sample(name: str, depth: int, timeout: float = 300) -> float:
-  done = subprocess.run([sys.executable, __file__, '--child', name, str(depth)], capture_output=True,
+def sample(name: str, depth: int, trials: int, timeout: float = 300) -> float:
+  done = subprocess.run([sys.executable, __file__, '--child', name, str(depth), str(trials)], capture_output=True,
                         text=True, timeout=timeout, check=False)
   if done.returncode:
     raise SystemExit(f'{name} at {depth} layers failed:\n{done.stderr[-2000:]}')
   return float(done.stdout.split()[-1])
 
 
-def measure(depths, rounds: int) -> dict[int, dict[str, float]]:
+def measure(depths, rounds: int, trials: int) -> dict[int, dict[str, float]]:
   results = {}
   for depth in depths:
     samples = {name: [] for name in VARIANTS}
     for r in range(rounds):
       order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]  # a different one first
       for name in order:
-        samples[name].append(sample(name, depth))
+        samples[name].append(sample(name, depth, trials))
       print(f'  {depth} layers, round {r + 1}: '
             + ', '.join(f'{n} {samples[n][-1]:.0f} ms' for n in VARIANTS), flush=True)
     results[depth] = {name: statistics.median(s) for name, s in samples.items()}
   return results
 
 
-def render(results: dict[int, dict[str, float]], rounds: int) -> str:
+def render(results: dict[int, dict[str, float]], rounds: int, trials: int) -> str:
   import flax
   import jax
 
   lines = [
     '### First call (trace + compile) of a fresh function, one fresh process per sample',
     '',
-    f'Milliseconds, median over {rounds} rounds; in brackets the ratio to raw jax.jit. '
+    f'Milliseconds, median over {rounds} rounds of one process per variant (each the median of '
+    f'{trials} first calls of fresh functions on fresh models); in brackets the ratio to raw jax.jit. '
     f'jax {jax.__version__}, flax {flax.__version__}, cpu.',
     '',
     '| layers | ' + ' | '.join(VARIANTS) + ' | brainnx (closure) / split once |',
@@ -120,17 +126,18 @@ def render(results: dict[int, dict[str, float]], rounds: int) -> str:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--child', nargs=2, metavar=('VARIANT', 'DEPTH'), help=argparse.SUPPRESS)
+  parser.add_argument('--child', nargs=3, metavar=('VARIANT', 'DEPTH', 'TRIALS'), help=argparse.SUPPRESS)
   parser.add_argument('--depths', type=int, nargs='+', default=[100, 500])
   parser.add_argument('--rounds', type=int, default=7)
+  parser.add_argument('--trials', type=int, default=3, help='first calls per process')
   parser.add_argument('--no-write', dest='write', action='store_false', help='print only')
   args = parser.parse_args(argv)
   if args.child:
-    return child(args.child[0], int(args.child[1]))
+    return child(args.child[0], int(args.child[1]), int(args.child[2]))
   sys.path.insert(0, str(HERE))
   from _results import publish
 
-  body = render(measure(args.depths, args.rounds), args.rounds)
+  body = render(measure(args.depths, args.rounds, args.trials), args.rounds, args.trials)
   publish(body, 'first_call.py', dry_run=not args.write)
 
 

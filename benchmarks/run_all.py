@@ -38,6 +38,7 @@ SCRIPTS = {
   'brainstate_loops': ([], ['--rounds', '2'], True),
   'figure1_seeds': ([], ['--seeds', '3'], True),
   'many_variables': ([], ['--quick'], True),
+  'first_call': ([], ['--rounds', '1', '--trials', '1', '--depths', '20'], True),
 }
 
 

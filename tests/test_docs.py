@@ -256,7 +256,7 @@ def test_code_lines_fit_the_page():
   for path in NOTEBOOKS:
     for k, cell in enumerate(json.loads(path.read_text())['cells']):
       source = ''.join(cell['source'])
-      lines = source.splitlines() if cell['cell_type'] == 'code' else [l for _, l in _code_lines(source)]
+      lines = source.splitlines() if cell['cell_type'] == 'code' else [text for _, text in _code_lines(source)]
       wide += [f'{path.name} cell {k}' for line in lines if len(line) > CODE_WIDTH]
   assert not wide, wide
 

@@ -1,9 +1,12 @@
 """The test suite's own rules: every file listed in tests/README.md, every ``pytest.raises`` with
-a ``match``, no unconditional skip, and the forced device count of conftest.py."""
+a ``match``, no unconditional skip, the forced device count of conftest.py, the declared
+dependencies, and ruff's checks."""
 
 import ast
 import pathlib
 import re
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -119,3 +122,14 @@ def test_the_package_imports_only_what_it_declares():
   job = [package / 'demo.py', *(package / 'examples').glob('*.py')]
   allowed = declared | _requirement_names(extras['demo']) | _requirement_names(extras['plot'])
   assert _third_party_imports(job) <= allowed, _third_party_imports(job) - allowed
+
+
+
+@pytest.mark.skipif(shutil.which('ruff') is None, reason='ruff is not installed (the dev extra installs it)')
+def test_the_code_passes_ruff_with_the_projects_configuration():
+  """``ruff check`` (configured in pyproject.toml: errors such as undefined or unused names, not
+  style) passes on the package, the tests, the benchmarks and the docs' scripts."""
+  docs = sorted(str(p.relative_to(ROOT)) for p in (ROOT / 'docs').glob('*.py'))
+  done = subprocess.run([shutil.which('ruff'), 'check', '--no-cache', 'brainnx', 'tests', 'benchmarks', *docs],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0, done.stdout + done.stderr

@@ -287,7 +287,7 @@ def test_a_module_attached_inside_dies_with_its_holder():
   holder = Holder()
 
   def attach(x):
-    holder.extra = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    holder.extra = nnx.Linear(2, 2, rngs=nnx.Rngs(0))  # noqa: F821 - bound until the del below
     return x
 
   f = bnx.jit(attach)

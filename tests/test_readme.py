@@ -4,9 +4,6 @@ import pathlib
 import re
 
 import jax
-import jax.numpy as jnp
-import optax
-from flax import nnx
 
 README = pathlib.Path(__file__).resolve().parents[1] / 'README.md'
 BLOCKS = re.findall(r'```python\n(.*?)```', README.read_text(), flags=re.S)

@@ -208,7 +208,7 @@ def _warm_call(plan: _Plan):
   positional arguments only; references then dynamic arguments), because
   every attribute lookup here is paid on every call.
   """
-  guard, compiled, variables, me, current = plan.disc.guard.ok, plan.compiled, plan.variables, plan.me, _CURRENT
+  guard, compiled, me, current = plan.disc.guard.ok, plan.compiled, plan.me, _CURRENT
   fast_dyn, kept, fresh, write, finish = _FAST_DYN, _compat.KEPT_VALUES, _fresh_values, _write, _finish
   call = plan.call
   n = call.n_args
