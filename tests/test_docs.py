@@ -58,6 +58,7 @@ def _markdown_sources():
   """(file, markdown text) for the READMEs, the doc pages and the notebooks' markdown cells."""
   yield ROOT / 'README.md', (ROOT / 'README.md').read_text()
   yield ROOT / 'tests' / 'README.md', (ROOT / 'tests' / 'README.md').read_text()
+  yield ROOT / 'CONTRIBUTING.md', (ROOT / 'CONTRIBUTING.md').read_text()
   for page in PAGES:
     yield page, page.read_text()
   for nb in NOTEBOOKS:
@@ -250,7 +251,7 @@ def test_code_lines_fit_the_page():
   """Code in the README, the docs and the notebooks (code cells, and code blocks in their text)
   is at most 88 characters a line."""
   wide = []
-  for page in [ROOT / 'README.md', *sorted(DOCS.rglob('*.md'))]:
+  for page in [ROOT / 'README.md', ROOT / 'CONTRIBUTING.md', *sorted(DOCS.rglob('*.md'))]:
     wide += [f'{page.relative_to(ROOT)}:{n}' for n, line in _code_lines(page.read_text())
              if len(line) > CODE_WIDTH]
   for path in NOTEBOOKS:
@@ -326,3 +327,25 @@ def test_every_demo_command_on_the_pages_runs_as_written(command, tmp_path):
     assert written == [target if target.endswith('.png') else target.rstrip('/') + '/ensemble.png']
   else:
     assert written == ['ensemble.png']
+
+
+def test_the_contributor_guide_names_what_exists():
+  """Every file path and every engine name CONTRIBUTING.md's walk-through uses is there."""
+  from brainnx._engine import call, eager, errors
+  from brainnx._transforms import remat
+
+  text = (ROOT / 'CONTRIBUTING.md').read_text()
+  paths = set(re.findall(r'`((?:brainnx|tests|benchmarks|docs|\.ci)/[\w./<>-]+)`', text))
+  missing = [p for p in paths if '<' not in p and not (ROOT / p.rstrip('/')).exists()]
+  assert not missing, missing
+  assert {'brainnx/_transforms/remat.py', 'tests/test_conformance.py', 'docs/api/rules.md'} <= paths
+  source = inspect.getsource(remat)
+  for name in ('check_callable', 'normalize_argnums', 'run(', 'StatefulCall.enter', 'call.rolling_back()',
+               'call.pure', 'call.write_back(', 'call.output('):
+    assert name in source and name.rstrip('(') in text, name
+  assert callable(eager.run) and callable(errors.check_callable) and callable(call.StatefulCall.enter)
+  conformance = (ROOT / 'tests' / 'test_conformance.py').read_text()
+  for table in ('TRANSFORMS = {', 'DIRECT = {', 'RETURNS_OUTPUT = ['):
+    assert table in conformance, table
+  lines = len((ROOT / 'brainnx' / '_transforms' / 'remat.py').read_text().splitlines())
+  assert f'{lines} lines' in text, f'remat.py has {lines} lines'
