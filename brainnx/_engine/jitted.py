@@ -441,8 +441,8 @@ class JittedFunction:
     self._plans.pop(key)
     if plan is not None:
       plan.kept_lists.pop(plan.me, None)
-    if plan is not None and self._warm is plan.warm:
-      self._warm = _cold
+      if self._warm is plan.warm:
+        self._warm = _cold
 
   def cache_sizes(self) -> dict:
     """Sizes of the plan, compiled-program and trace caches (all bounded)."""

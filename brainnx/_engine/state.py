@@ -98,16 +98,16 @@ def swapped(disc: Discovery, values: Sequence):
     STATE_CHANGES[0] += 1
     STATE_CHANGES[1] += 1
     try:
-      for v, x in zip(variables, values):
-        _compat.set_raw_value(v, x)
+      _compat.set_raw_values(variables, values)  # one counted write for the whole swap
+      for v in variables:
         _compat.set_node_trace_state(v, level)
       for n in nodes:
         _compat.set_node_trace_state(n, level)
       yield contents
     finally:
       disc.restore(contents)
-      for v, x, lv in zip(variables, old_values, old_levels):
-        _compat.set_raw_value(v, x)
+      _compat.set_raw_values(variables, old_values)
+      for v, lv in zip(variables, old_levels):
         _compat.set_node_trace_state(v, lv)
       for n, lv in zip(nodes, old_node_levels):
         _compat.set_node_trace_state(n, lv)

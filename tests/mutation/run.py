@@ -36,6 +36,9 @@ class Mutant:
   tests: tuple[str, ...]
 
 
+# the conformance case for values written between calls, on every transform
+WRITES_SEEN = ('-k', 'value_written', 'tests/test_conformance.py')
+
 MUTANTS = [
   # the eight survivors of the first measured run, each now with a test
   Mutant('vmap places the batch axis the wrong way', 'brainnx/_transforms/vmap.py',
@@ -269,24 +272,24 @@ MUTANTS = [
   # issue 37: the values a warm call kept
   Mutant('flax setattr writes keep the kept values', 'brainnx/_compat.py',
          '  variable.__setattr__ = marked(counting_setattr, setattr_)\n', '',
-         ('-k', 'value_written', 'tests/test_conformance.py')),
+         WRITES_SEEN),
   Mutant('nnx.jit_partial write-backs keep the kept values', 'brainnx/_compat.py',
          '  _compilation._apply_raw_updates = marked(counting_raw_updates, apply_raw_updates)\n', '',
-         ('-k', 'value_written', 'tests/test_conformance.py')),
+         WRITES_SEEN),
   Mutant('a write of many values keeps the kept lists', 'brainnx/_compat.py',
          '    if variable is None:\n      KEPT_VALUES.clear()\n      return\n',
          '    if variable is None:\n      return\n',
-         ('-k', 'value_written', 'tests/test_conformance.py')),
+         WRITES_SEEN),
   Mutant("brainnx's own batch writes are not counted", 'brainnx/_compat.py',
          '    for variable, value in zip(variables, values):\n      store(variable, \'_raw_value\', value)\n  finally:\n    values_written()',
          '    for variable, value in zip(variables, values):\n      store(variable, \'_raw_value\', value)\n  finally:\n    pass',
-         ('-k', 'value_written', 'tests/test_conformance.py')),
+         WRITES_SEEN),
   Mutant('a set_value puts its value at the wrong place of a kept list', 'brainnx/_compat.py',
          '      if i is not None:\n        values[i] = new\n', '      if i is not None:\n        values[0] = new\n',
-         ('-k', 'value_written', 'tests/test_conformance.py')),
+         WRITES_SEEN),
   Mutant('a set_value patches no kept list', 'brainnx/_compat.py',
          '      if i is not None:\n        values[i] = new\n', '      if i is not None:\n        pass\n',
-         ('-k', 'value_written', 'tests/test_conformance.py')),
+         WRITES_SEEN),
   Mutant('a write-back leaves the kept values from before it', 'brainnx/_engine/jitted.py',
          '        kept[i] = x\n', '        pass\n',
          ('tests/test_jit.py',)),
