@@ -7,15 +7,16 @@ from brainnx import _compat
 # an error raised in user code under a brainnx transform shows the user's frames, not brainnx's
 _compat.hide_frames_under(_os.path.dirname(_compat.__file__) + _os.sep)
 
-from brainnx._transforms.autodiff import hessian, jacfwd, jacrev, jvp, vjp
 from brainnx._transforms.bounded_while import bounded_while_loop
 from brainnx._transforms.control import cond, ifelse, switch
 from brainnx._transforms.eval_shape import eval_shape
 from brainnx._engine.errors import BatchAxisError
-from brainnx._transforms.grad import grad, value_and_grad
+from brainnx._transforms.grad import grad, hessian, jacfwd, jacrev, jvp, value_and_grad, vjp
 from brainnx._transforms.jit import jit
 from brainnx._transforms.progress import ProgressBar
-from brainnx._transforms.loops import checkpointed_for_loop, checkpointed_scan, for_loop, fori_loop, scan, while_loop
+from brainnx._transforms.checkpointed import checkpointed_for_loop, checkpointed_scan
+from brainnx._transforms.scan import for_loop, scan
+from brainnx._transforms.while_loops import fori_loop, while_loop
 from brainnx._transforms.map import map
 from brainnx._transforms.vmap import vmap, vmap_new_states
 from brainnx._transforms.pmap import pmap

@@ -30,41 +30,6 @@ from jax._src import traceback_util as _traceback_util
 from jax._src.interpreters import batching as _batching
 from jax._src.lax import lax as _jax_lax
 
-__all__ = [
-  'ArrayImpl',
-  'DataAttribute',
-  'EDIT_LOG',
-  'KEPT_LOCK',
-  'KEPT_VALUES',
-  'PYTREE_EDITS',
-  'Tracer',
-  'VALUE_WRITES',
-  'api_boundary',
-  'at_top_level',
-  'attributes',
-  'call_jaxpr',
-  'can_update',
-  'current_trace',
-  'get_node_trace_state',
-  'is_internal_attribute',
-  'is_batched_here',
-  'new_trace_state',
-  'pytree_has_int_keys',
-  'raw_value',
-  'graph_flatten',
-  'graph_unflatten',
-  'hide_frames_under',
-  'known_ref_map',
-  'metadata_of',
-  'refuse_nnx_flatten',
-  'restore_entries',
-  'set_node_trace_state',
-  'set_raw_value',
-  'set_raw_values',
-  'to_predicate',
-  'values_written',
-  'with_debug_names',
-]
 
 Tracer = _jax_core.Tracer
 
@@ -586,7 +551,6 @@ def call_jaxpr(closed, *args) -> list:
     inline=True,
     compiler_options_kvs=(),
   )
-
 
 
 def with_debug_names(debug_info, arg_names: tuple, result_paths: tuple):

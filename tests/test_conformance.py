@@ -39,6 +39,19 @@ from flax.struct import dataclass as flax_struct_dataclass
 from jax.sharding import PartitionSpec as P
 
 import brainnx as bnx
+from brainnx._engine.config import Config
+from brainnx._engine.jitted import JitOptions
+from brainnx._transforms.bounded_while import BoundedWhileConfig
+from brainnx._transforms.checkpointed import CheckpointedConfig
+from brainnx._transforms.control import SwitchConfig
+from brainnx._transforms.eval_shape import EvalShapeConfig
+from brainnx._transforms.grad import GradConfig
+from brainnx._transforms.map import MapConfig
+from brainnx._transforms.remat import RematConfig
+from brainnx._transforms.scan import ScanConfig
+from brainnx._transforms.shard_map import ShardMapConfig
+from brainnx._transforms.vmap import VmapConfig
+from brainnx._transforms.while_loops import ForiConfig, WhileConfig
 from helpers import values_of
 
 X = jnp.array([0.5, -1.0, 2.0])
@@ -136,6 +149,17 @@ DIRECT = {
   'shard_map': lambda f: bnx.shard_map(f, mesh=MESH1, in_specs=P(), out_specs=P())(X),
 }
 NAMES = list(TRANSFORMS)
+
+# What each transform parses its keywords into, once, when it is built: a frozen Config
+# carrying the transform's public name, which its errors use.
+CONFIGS = {
+  'jit': JitOptions, 'grad': GradConfig, 'value_and_grad': GradConfig, 'jvp': GradConfig, 'vjp': GradConfig,
+  'jacrev': GradConfig, 'jacfwd': GradConfig, 'hessian': GradConfig, 'vmap': VmapConfig, 'vmap_new_states': VmapConfig,
+  'pmap': VmapConfig, 'map': MapConfig, 'scan': ScanConfig, 'for_loop': ScanConfig,
+  'checkpointed_scan': CheckpointedConfig, 'checkpointed_for_loop': CheckpointedConfig, 'while_loop': WhileConfig,
+  'bounded_while_loop': BoundedWhileConfig, 'fori_loop': ForiConfig, 'cond': SwitchConfig, 'switch': SwitchConfig,
+  'ifelse': SwitchConfig, 'remat': RematConfig, 'eval_shape': EvalShapeConfig, 'shard_map': ShardMapConfig,
+}
 # Documented exception: pmap's first call traces twice (once under vmap, to decide where each
 # written Variable goes, once under jax.pmap); warm calls not at all.
 TRACES_PER_SIGNATURE = {'pmap': 2}
@@ -155,6 +179,35 @@ def assert_matches(name, got, f, x):
       assert (g.shape, g.dtype) == (w.shape, w.dtype)
     else:
       np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+
+
+
+def test_the_registry_lists_every_transform_with_its_config():
+  assert set(CONFIGS) == set(NAMES)
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_every_transform_is_configured_by_a_frozen_config_naming_it(name):
+  """The config class is a frozen Config, and building or calling the transform makes one that
+  carries the transform's name (for vmap_new_states, its mapper's, which its errors say)."""
+  cls = CONFIGS[name]
+  assert issubclass(cls, Config) and cls.__dataclass_params__.frozen, cls
+  seen = []
+  real = cls.__init__
+
+  def recording(self, *args, **kwargs):
+    real(self, *args, **kwargs)
+    seen.append(self.name)
+
+  cls.__init__ = recording
+  try:
+    DIRECT[name](lambda *a: a[0] if len(a) == 1 else a)
+  except Exception:
+    pass
+  finally:
+    cls.__init__ = real
+  expected = {'vmap_new_states': 'vmap'}.get(name, name)
+  assert expected in seen, (name, seen)
 
 
 def test_assert_matches_fails_on_a_missing_or_extra_output():

@@ -331,7 +331,7 @@ def test_every_demo_command_on_the_pages_runs_as_written(command, tmp_path):
 
 def test_the_contributor_guide_names_what_exists():
   """Every file path and every engine name CONTRIBUTING.md's walk-through uses is there."""
-  from brainnx._engine import call, eager, errors
+  from brainnx._engine import call, eager, errors, loop_body
   from brainnx._transforms import remat
 
   text = (ROOT / 'CONTRIBUTING.md').read_text()
@@ -340,12 +340,18 @@ def test_the_contributor_guide_names_what_exists():
   assert not missing, missing
   assert {'brainnx/_transforms/remat.py', 'tests/test_conformance.py', 'docs/api/rules.md'} <= paths
   source = inspect.getsource(remat)
-  for name in ('check_callable', 'normalize_argnums', 'run(', 'StatefulCall.enter', 'call.rolling_back()',
-               'call.pure', 'call.write_back(', 'call.output('):
-    assert name in source and name.rstrip('(') in text, name
-  assert callable(eager.run) and callable(errors.check_callable) and callable(call.StatefulCall.enter)
+  for name in ('RematConfig(Config)', 'check_callable', 'normalize_argnums', 'call(_remat_impl, config, (fun,), args',
+               'StatefulCall.enter', 'stateful.rolling_back()', 'stateful.pure', 'stateful.write_back(',
+               'stateful.output(', 'name=config.name'):
+    assert name in source, name
+  for name in ('RematConfig(Config)', 'eager.call(impl, config, roots, args, kwargs', 'impl(config, roots, *args',
+               'eager.program', 'StatefulCall.enter', 'stateful.rolling_back()', 'stateful.write_back(',
+               'LoopBody.write_back', "`CONFIGS`"):
+    assert name in text, name
+  assert callable(eager.call) and callable(eager.program) and callable(errors.check_callable)
+  assert callable(call.StatefulCall.enter) and callable(loop_body.LoopBody.write_back)
   conformance = (ROOT / 'tests' / 'test_conformance.py').read_text()
-  for table in ('TRANSFORMS = {', 'DIRECT = {', 'RETURNS_OUTPUT = ['):
+  for table in ('TRANSFORMS = {', 'DIRECT = {', 'CONFIGS = {', 'RETURNS_OUTPUT = ['):
     assert table in conformance, table
   lines = len((ROOT / 'brainnx' / '_transforms' / 'remat.py').read_text().splitlines())
   assert f'{lines} lines' in text, f'remat.py has {lines} lines'

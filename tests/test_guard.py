@@ -262,10 +262,10 @@ def test_a_variable_replaced_by_an_equal_one_is_seen():
 
 def _counting_entry_checks(monkeypatch):
   """Every full comparison a guard built from now on runs, counted."""
-  from brainnx._engine import discovery as discovery_module
+  from brainnx._engine import guard as guard_module
 
   calls = [0]
-  real = discovery_module._entry_check
+  real = guard_module._entry_check
 
   def counted(containers, masks):
     check = real(containers, masks)
@@ -279,7 +279,7 @@ def _counting_entry_checks(monkeypatch):
     wrapped.resave = check.resave
     return wrapped
 
-  monkeypatch.setattr(discovery_module, '_entry_check', counted)
+  monkeypatch.setattr(guard_module, '_entry_check', counted)
   return calls
 
 

@@ -1,16 +1,23 @@
 """The engine: from a stateful call to a pure function a JAX primitive can take, and back.
 
-Rooms, each importing only those before it: ``caches``, ``discovery``
-(Variables a call can reach and the guard of a cached discovery),
+Rooms, each importing only those before it: ``sentinels``, ``caches``,
+``nodes`` (what a value is: graph node, plain object, reference, static),
+``guard`` (the cheap check that a cached discovery still holds), ``roots``
+(what a callable captures), ``discovery`` (the Variables a call can reach),
 ``arguments`` (static, dynamic and reference arguments), ``filters``,
-``errors``, ``outputs``, ``rng``, ``tracing`` (the state step, traces and
-``StatefulFunction``), ``sharding``, ``jitted`` (compiled plans), ``eager``
-(the one eager entry of every transform). Nothing here imports
+``errors``, ``outputs``, ``rng``, ``structure``, ``state`` (the state step
+and write-back), ``tracing`` (traces and ``StatefulFunction``), ``call``
+(the one stateful call), ``sharding``, ``plan`` and ``jitted`` (compiled
+plans and the jitted function), ``eager`` (the one eager entry of every
+transform, with the ``Config`` base class) and ``loop_body`` (a body
+traced once and evaluated inside a loop or branch). Nothing here imports
 ``brainnx._transforms``.
 
-The route of a call. A transform called outside any trace goes through
-``eager.run``, which keeps one ``JittedFunction`` per owner (the transform
-object or the user's function) and static configuration. A warm call of it
+The route of a call. Every transform parses its keywords once into a frozen
+``eager.Config`` and calls ``eager.call(impl, config, roots, args, kwargs)``.
+Outside any trace that keeps one ``JittedFunction`` per root (the user's
+function, a progress bar) and config; transform objects (``vmap``'s and
+``grad``'s) keep theirs on themselves (``eager.program``). A warm call of it
 checks its plan (the reference arguments, the statics, the guard of the
 discovery) and calls the compiled program with the values it kept. A cold
 call discovers the Variables, traces the function once per abstract
@@ -21,7 +28,8 @@ once; a failure rolls everything back.
 
 Who owns what:
 
-- ``eager._PROGRAMS``: the compiled programs per owner (held weakly) and configuration.
+- ``eager._PROGRAMS``: the compiled programs per root (held weakly) and config;
+  ``MappedFunction``/``GradFunction``: their own one program.
 - ``JittedFunction``: its plans (16, per reference arguments), compiled programs
   and traces (shared between functions of one code object and options).
 - ``StatefulFunction``: its traces, one per abstract signature.

@@ -28,9 +28,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import jax
 
-from brainnx._engine.discovery import holds_graph_node, is_reference, static_key
-
-__all__ = ['ArgKind', 'CallArgs', 'StaticArgs', 'check_argnums', 'normalize_argnums', 'resolve_argnums']
+from brainnx._engine.nodes import holds_graph_node, is_reference, static_key
 
 
 class ArgKind(enum.Enum):

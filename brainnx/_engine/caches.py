@@ -20,8 +20,6 @@ import threading
 import weakref
 from typing import Any, Hashable, Sequence
 
-__all__ = ['LRUCache', 'WeakCache']
-
 
 class LRUCache:
   """Thread-safe least-recently-used mapping with hit/miss counters."""

@@ -47,16 +47,13 @@ import jax
 
 from brainnx import _compat
 from brainnx._engine.arguments import CallArgs, StaticArgs
-from brainnx._engine.discovery import Discovery, discover
+from brainnx._engine.discovery import discover, Discovery
 from brainnx._engine.outputs import OutSpec
+from brainnx._engine.sentinels import UNSET
 from brainnx._engine.state import (
   StepResult, abstract, abstract_states, finish_call, read_values, state_step, write_values,
 )
 from brainnx._engine.structure import Attachments
-
-__all__ = ['Record', 'StatefulCall', 'StepInfo', 'check_values', 'settle_creations']
-
-_UNSET = object()
 
 
 class Record:
@@ -70,20 +67,20 @@ class Record:
   __slots__ = ('_value', 'what')
 
   def __init__(self, what: str):
-    self._value, self.what = _UNSET, what
+    self._value, self.what = UNSET, what
 
   def set(self, value, agree: Callable[[Any, Any], bool] = lambda a, b: True) -> None:
-    if self._value is _UNSET:
+    if self._value is UNSET:
       self._value = value
     elif not agree(self._value, value):
       raise RuntimeError(f'{self.what}: the function did something else when traced again (it wrote other Variables)')
 
   @property
   def is_set(self) -> bool:
-    return self._value is not _UNSET
+    return self._value is not UNSET
 
   def get(self):
-    if self._value is _UNSET:
+    if self._value is UNSET:
       raise RuntimeError(f'{self.what}: the function was never traced')
     return self._value
 

@@ -23,350 +23,21 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import dis
-import enum
-import functools
-import importlib.util
-import inspect
-import itertools
 import operator
-import os
-import sys
-import types
 import weakref
 from typing import Any, Callable, Hashable
 
 import jax
-import numpy as np
 from flax import nnx
 
 from brainnx import _compat
+from brainnx._engine.guard import DATA, GRAPH, STATIC, Guard
+from brainnx._engine.nodes import ARRAY_TYPES, ATOM_TYPES, describe, holds_graph_node, is_plain_object, key_name, static_key
+from brainnx._engine.roots import Root, RootFinder, RootKind
+from brainnx._engine.sentinels import MISSING
 
-__all__ = [
-  'MISSING', 'Discovery', 'Guard', 'describe', 'discover', 'holds_graph_node', 'is_graph_node', 'is_plain_object',
-  'is_reference',
-  'key_name', 'static_key',
-]
 
 Path = tuple[Hashable, ...]
-
-# Objects that can never hold a Variable: skipped without a look inside.
-_ATOMS = (
-  jax.Array, np.ndarray, np.generic, int, float, complex, bool, str, bytes,
-  type(None), type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
-  types.MethodType, functools.partial, np.dtype, range, type(Ellipsis),
-)
-
-# Array values held by graph nodes: state, as ``nnx.split`` sees them.
-_ARRAYS = (jax.Array, np.ndarray, _compat.Tracer)
-
-# Packages whose objects are never entered as plain objects (their state is not the user's).
-_LIBRARY_PACKAGES = frozenset({
-  'jax', 'jaxlib', 'flax', 'numpy', 'optax', 'tqdm', 'chex', 'matplotlib', 'orbax', 'brainnx',
-  'equinox', 'brainstate', 'ml_dtypes', 'IPython', 'ipykernel', 'pytest', '_pytest', 'hypothesis',
-}) | (frozenset(sys.stdlib_module_names) - {'types', 'argparse'})  # SimpleNamespace, Namespace are plain
-
-
-def _library_dirs() -> tuple[str, ...]:
-  dirs = []
-  for name in ('jax', 'jaxlib', 'flax', 'numpy', 'optax', 'tqdm', 'chex', 'matplotlib'):
-    spec = importlib.util.find_spec(name)
-    if spec is not None and spec.submodule_search_locations:
-      dirs.extend(os.path.join(p, '') for p in spec.submodule_search_locations)
-  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  dirs.append(os.path.join(here, '_'))  # brainnx's own private modules (_compat, _engine/, _transforms/)
-  dirs.append(os.path.join(here, '__init__'))
-  return tuple(dirs)
-
-
-# Functions defined in these files are not searched for captured Variables.
-LIBRARY_DIRS = _library_dirs()
-
-
-def is_graph_node(x: Any) -> bool:
-  """True for a Variable or an NNX Pytree (Module, Rngs, Optimizer, List, ...)."""
-  return isinstance(x, (nnx.Variable, nnx.Pytree))
-
-
-@functools.lru_cache(maxsize=1024)
-def _is_plain_type(cls: type) -> bool:
-  if cls.__module__.partition('.')[0] in _LIBRARY_PACKAGES:
-    return False
-  if issubclass(cls, (nnx.Pytree, nnx.Variable, BaseException)):
-    return False
-  return '__dict__' in dir(cls) or bool(_compat.slot_names(cls))
-
-
-def is_plain_object(x: Any) -> bool:
-  """A user object whose attributes (``vars()``, or its ``__slots__``) brainnx walks: not a
-  graph node, type or function."""
-  return not isinstance(x, _ATOMS) and _is_plain_type(type(x)) and (
-    hasattr(x, '__dict__') or bool(_compat.slot_names(type(x))))
-
-
-def holds_graph_node(x: Any, _seen=None) -> bool:
-  """Whether ``x`` is, or holds somewhere inside, a Variable or NNX Pytree (cycle-safe)."""
-  if isinstance(x, _ATOMS):
-    return False
-  if is_graph_node(x):
-    return True
-  seen = set() if _seen is None else _seen
-  if id(x) in seen:
-    return False
-  seen.add(id(x))
-  if isinstance(x, (tuple, list)):
-    return any(holds_graph_node(v, seen) for v in x)
-  if isinstance(x, dict):
-    return any(holds_graph_node(v, seen) for v in x.values())
-  if is_plain_object(x):
-    return any(holds_graph_node(v, seen) for v in _compat.attributes(x).values())
-  leaves = jax.tree.leaves(x, is_leaf=lambda y: y is not x and (is_graph_node(y) or is_plain_object(y)))
-  return any(y is not x and holds_graph_node(y, seen) for y in leaves)
-
-
-def is_reference(x: Any) -> bool:
-  """Passed by reference into a transform: a graph node, or a plain object holding one."""
-  return is_graph_node(x) or (is_plain_object(x) and holds_graph_node(x))
-
-
-def describe(path, variable) -> str:
-  """``"Param at ('model', 'l1', 'kernel')"``: how every error names a Variable."""
-  return f'{type(variable).__name__} at {tuple(path)!r}'
-
-
-def key_name(key) -> Hashable:
-  """The plain key of a ``jax.tree_util`` path entry (dict key, index or attribute)."""
-  for attr in ('key', 'idx', 'name'):
-    if hasattr(key, attr):
-      return getattr(key, attr)
-  return str(key)
-
-
-def static_key(value) -> Hashable:
-  """A cache key for a value compared statically: by type and value (``1``, ``1.0``, ``True``
-  differ), or by identity when it is unhashable."""
-  try:
-    hash(value)
-  except TypeError:
-    return ('<unhashable>', type(value), id(value))
-  return (type(value), value)
-
-
-class RootKind(enum.Enum):
-  """How a discovery root was reached."""
-
-  ARG = 'argument'
-  KWARG = 'keyword argument'
-  SELF = 'self'
-  PARTIAL = 'partial argument'
-  DEFAULT = 'default value'
-  CLOSURE = 'closure'
-  GLOBAL = 'global'
-
-
-@dataclasses.dataclass(frozen=True)
-class Root:
-  """Where a walk started: ``name`` heads the paths below it."""
-
-  name: Hashable
-  kind: RootKind
-
-
-class Guard:
-  """A cheap check that what a discovery saw is still what the function sees.
-
-  It records the object behind every closure cell and global name the
-  function (and the helpers it calls) loads, and the entries of every
-  mutable container on the way (a Module's attribute dict, a plain
-  object's, a dict, a list). ``ok()`` compares the names by identity and
-  the entries in two C-level passes: the whole flattened list by equality
-  (static attributes may be re-set to equal values), and the graph entries
-  (Variables, Modules, containers holding them) by identity. Data-attribute
-  arrays are state, like a Variable's value: not compared at all.
-
-  The attribute dicts of flax Pytrees (Modules, ``nnx.List``, ``Rngs``, ...) and
-  the Variables' metadata (which a function may read: ``v.get_metadata()``) are
-  compared only when flax has changed some Pytree's attributes or Variable's
-  metadata since the last passing check (``_compat.PYTREE_EDITS``); plain objects, dicts and lists, which
-  nothing counts, are compared on every call. So a warm call over a deep model
-  costs a few identity checks, not one comparison per attribute.
-  """
-
-  __slots__ = ('_cells', '_globals', '_all', '_uncounted', '_counted', '_metadata', '_owners', '_seen', 'ok')
-
-  def __init__(self, cells, globals_, containers, masks, counted, metadata=(), owners=None):
-    self._cells = list(cells)  # [cell, object]
-    self._globals = list(globals_)  # [namespace, name, object]
-    self._metadata = list(metadata)  # [Variable, a copy of its metadata]
-    # ids of the Pytrees and of the Variables whose edits matter here (None: any edit does)
-    self._owners = None if owners is None else (set(owners[0]), set(owners[1]))
-    self._all = _entry_check(containers, masks)
-    self._uncounted = _entry_check(
-      [c for c, n in zip(containers, counted) if not n], [m for m, n in zip(masks, counted) if not n]
-    )
-    self._counted = _entry_check([c for c, n in zip(containers, counted) if n], [m for m, n in zip(masks, counted) if n])
-    self._seen = [-1]  # the edit count at the last passing full check; -1: none yet
-    self.ok = self._make_check()
-
-  def _make_check(self):
-    """``ok()`` as a closure over locals: this runs on every warm call (a few names: plain
-    loops beat C-level ``map`` here, whose set-up costs more than the comparisons)."""
-    cells, namespaces, metadata = self._cells, self._globals, self._metadata
-    check_all, check_uncounted, seen, edits = self._all, self._uncounted, self._seen, _compat.PYTREE_EDITS
-    metadata_of, log = _compat.metadata_of, _compat.EDIT_LOG
-    nodes, variables = self._owners if self._owners is not None else (None, None)
-    everything = (True, True)
-
-    def edited_here(since: int) -> tuple[bool, bool]:
-      """Whether the edits after count ``since`` touched (the guarded Pytrees, the guarded
-      Variables' metadata): both, when an edit's object is unknown or the log no longer reaches
-      back that far. Edits of other objects touch neither."""
-      if nodes is None or since < 0:
-        return everything
-      touched_nodes = touched_variables = False
-      try:
-        for count, owner in reversed(log):
-          if count <= since:
-            return touched_nodes, touched_variables
-          if owner is None:
-            return everything
-          if owner in nodes:
-            touched_nodes = True
-          elif owner in variables:
-            touched_variables = True
-      except RuntimeError:  # another thread edited while we read
-        return everything
-      return everything  # the log no longer reaches back to the last check
-
-    def ok() -> bool:
-      if cells:
-        try:
-          for cell, obj in cells:
-            if cell.cell_contents is not obj:
-              return False
-        except ValueError:  # a cell was emptied
-          return False
-      for namespace, name, obj in namespaces:
-        if namespace.get(name, _MISSING) is not obj:
-          return False
-      if edits[0] == seen[0]:
-        return check_uncounted is None or check_uncounted()
-      mark = edits[0]  # read before the check: an edit during it moves the count past mark
-      touched_nodes, touched_variables = edited_here(seen[0])
-      check = check_all if touched_nodes else check_uncounted
-      if check is not None and not check():
-        return False
-      if touched_variables:
-        try:
-          if any(metadata_of(v) != saved for v, saved in metadata):
-            return False
-        except Exception:  # metadata holding arrays: no single truth value
-          return False
-      seen[0] = mark
-      return True
-
-    return ok
-
-  def take_plain_statics(self) -> bool:
-    """Expect the static attributes plain objects, dicts and lists hold now (a trace's own
-    counter, ``self.steps += 1``), if no flax Pytree's attributes changed; whether it did."""
-    if self._counted is not None and not self._counted():
-      return False
-    for check in (self._all, self._uncounted):
-      if check is not None:
-        check.resave()
-    return True
-
-  def follow(self, replaced: list) -> None:
-    """Expect the containers as they are now, with ``(old, new)`` Variables swapped (see
-    :meth:`Discovery.follow`)."""
-    for check in (self._all, self._uncounted, self._counted):
-      if check is not None:
-        check.resave(graph=True)
-    swap = {id(old): new for old, new in replaced}
-    if self._owners is not None:
-      self._owners[1].update(id(new) for _, new in replaced)
-    self._metadata[:] = [(swap[id(v)], dict(_compat.metadata_of(swap[id(v)]))) if id(v) in swap else (v, m)
-                         for v, m in self._metadata]
-
-  def rebind(self, source: tuple, obj) -> None:
-    """Expect ``obj`` behind a captured name from now on: ``source`` is ``('cell', cell)`` or
-    ``('global', namespace, name)`` (a plain value the traced call itself rebound)."""
-    if source[0] == 'cell':
-      self._cells[:] = [(c, obj if c is source[1] else o) for c, o in self._cells]
-    else:
-      self._globals[:] = [(ns, n, obj if (ns is source[1] and n == source[2]) else o) for ns, n, o in self._globals]
-
-
-def _entry_check(containers, masks) -> Callable[[], bool] | None:
-  """``check()``: whether ``containers`` hold the entries they hold now (see :class:`Guard`);
-  ``None`` when there are none."""
-  if not containers:
-    return None
-  views = tuple(c.values() if isinstance(c, dict) else c for c in containers)
-  codes = list(_chain(masks))
-  values = list(_chain(views))
-  size = len(values)
-  if DATA in codes:
-    static_at = _picker([i for i, c in enumerate(codes) if c == STATIC])
-  else:  # the common case: the whole list, compared in one C call
-    static_at = _whole
-  graph_at = _picker([i for i, c in enumerate(codes) if c == GRAPH])
-  saved = [static_at(values), graph_at(values)]
-  chain, is_ = _chain, operator.is_
-
-  def check() -> bool:
-    now = [*chain(views)]
-    if len(now) != size:
-      return False
-    try:
-      if static_at(now) != saved[0]:
-        return False
-    except Exception:  # an array compared with an array: no single truth value
-      return False
-    return all(map(is_, graph_at(now), saved[1]))
-
-  def resave(graph: bool = False) -> None:
-    """Expect the static entries the containers hold now (and, with ``graph``, their graph
-    entries; else only if those are unchanged)."""
-    now = [*chain(views)]
-    if len(now) == size and (graph or all(map(is_, graph_at(now), saved[1]))):
-      saved[:] = [static_at(now), graph_at(now)]
-
-  check.resave = resave
-  return check
-
-
-# What a guarded container entry is: compared by equality, by identity, or not at all (its
-# value is state that calls write: a data-attribute array).
-STATIC, GRAPH, DATA = 0, 1, 2
-
-
-def _whole(values: list) -> list:
-  return values
-
-
-def _picker(positions: list):
-  """``pick(values) -> tuple`` of the entries at ``positions`` (C-level for two or more)."""
-  if not positions:
-    return lambda values: ()
-  if len(positions) == 1:
-    (i,) = positions
-    return lambda values: (values[i],)
-  return operator.itemgetter(*positions)
-
-
-_chain = itertools.chain.from_iterable
-
-
-class _Missing:
-  """An absent container entry (a key a call added was not there before)."""
-
-  def __repr__(self) -> str:
-    return 'MISSING'
-
-
-MISSING = _MISSING = _Missing()
 
 
 @dataclasses.dataclass(eq=False)
@@ -427,7 +98,7 @@ class Discovery:
     changed = False
     for source, at in self.plain:
       obj = _source_value(source)
-      if obj is _MISSING:
+      if obj is MISSING:
         continue
       key = (captured[at][0], static_key(obj))
       if key != captured[at]:
@@ -535,23 +206,23 @@ class Discovery:
     nodes, arrays); other Python side effects in the same containers stay."""
     for k, (source, before) in enumerate(zip(self.names, saved[-1])):
       now = _source_value(source)
-      if now is not before and (holds_graph_node(now) or holds_graph_node(before)) and before is not _MISSING:
+      if now is not before and (holds_graph_node(now) or holds_graph_node(before)) and before is not MISSING:
         self.rebind(k, before)
     for container, before in zip(self.containers, saved):
       if isinstance(container, list):
         if _list_changed(container, before):
           container[:] = before
         continue
-      undo = {key: before.get(key, _MISSING) for key in _dict_changes(container, before)}
+      undo = {key: before.get(key, MISSING) for key in _dict_changes(container, before)}
       if undo:
-        _compat.restore_entries(container, undo, _MISSING)
+        _compat.restore_entries(container, undo, MISSING)
 
 
 def _list_changed(container: list, before: list, data_keys=()) -> bool:
   """Whether a list gained, lost or swapped state (graph nodes, arrays) since ``before``; a new
   array at a position in ``data_keys`` (known state, written back) is no change."""
   if len(container) == len(before) and all(
-    a is b or (k in data_keys and isinstance(a, _ARRAYS)) for k, (a, b) in enumerate(zip(container, before))
+    a is b or (k in data_keys and isinstance(a, ARRAY_TYPES)) for k, (a, b) in enumerate(zip(container, before))
   ):
     return False
   olds, news = {id(x): x for x in before}, {id(x): x for x in container}
@@ -565,14 +236,14 @@ def _dict_changes(container: dict, before: dict, data_keys=()) -> dict:
   bookkeeping (``nnx.List``'s length, its node names) goes with its state."""
   changed = {}
   for key in container.keys() | before.keys():
-    old, new = before.get(key, _MISSING), container.get(key, _MISSING)
+    old, new = before.get(key, MISSING), container.get(key, MISSING)
     if old is not new and (_is_state(old) or _is_state(new)):
-      if key in data_keys and isinstance(new, _ARRAYS):
+      if key in data_keys and isinstance(new, ARRAY_TYPES):
         continue
       changed[key] = new
   if changed and _compat.is_node_attributes(container):
-    changed = {k: container.get(k, _MISSING) for k in container.keys() | before.keys()
-               if before.get(k, _MISSING) is not container.get(k, _MISSING)}
+    changed = {k: container.get(k, MISSING) for k in container.keys() | before.keys()
+               if before.get(k, MISSING) is not container.get(k, MISSING)}
   return changed
 
 
@@ -581,13 +252,13 @@ def _source_value(source: tuple):
     try:
       return source[1].cell_contents
     except ValueError:
-      return _MISSING
-  return source[1].get(source[2], _MISSING)
+      return MISSING
+  return source[1].get(source[2], MISSING)
 
 
 def _is_state(x) -> bool:
   """A container entry a call may not leave changed on error: a graph node or an array."""
-  return isinstance(x, _ARRAYS) or holds_graph_node(x)
+  return isinstance(x, ARRAY_TYPES) or holds_graph_node(x)
 
 
 class _Walker:
@@ -613,7 +284,7 @@ class _Walker:
 
   def walk(self, obj, path: Path, root: int) -> bool:
     """Walk ``obj``; True when it is or holds a graph node or Variable."""
-    if isinstance(obj, _ATOMS):
+    if isinstance(obj, ATOM_TYPES):
       return False
     if isinstance(obj, nnx.Variable):
       return self._variable(obj, path, root)
@@ -681,7 +352,7 @@ class _Walker:
     keyed = [(int(n) if int_keys and n.isdigit() else n, n, v) for n, v in items if not _compat.is_internal_attribute(n)]
     codes, statics = {}, []
     for child_key, name, value in sorted(keyed, key=lambda t: (type(t[0]).__name__, t[0])):  # nnx's order
-      if isinstance(value, _ARRAYS):  # an array attribute is state in nnx.split, as a Variable is
+      if isinstance(value, ARRAY_TYPES):  # an array attribute is state in nnx.split, as a Variable is
         codes[name] = self._data(attrs, name, path + (child_key,), root)
       elif isinstance(value, (list, dict)) and not isinstance(value, nnx.Pytree):
         codes[name] = GRAPH if self._data_container(value, path + (child_key,), root) else STATIC
@@ -738,7 +409,7 @@ class _Walker:
     self.watched_paths.append(path)
     mask = []
     for k, v in items:
-      if isinstance(v, _ARRAYS):
+      if isinstance(v, ARRAY_TYPES):
         mask.append(self._data(container, k, path + (k,), root))
       else:
         mask.append(GRAPH if self.walk(v, path + (k,), root) else STATIC)
@@ -767,142 +438,6 @@ class _Walker:
 # -- roots reached through a callable ----------------------------------------------
 
 
-@functools.lru_cache(maxsize=4096)
-def _loaded_globals(code: types.CodeType) -> tuple[str, ...]:
-  """Names a code object (and the code nested in it) loads as globals."""
-  names: list[str] = []
-  for ins in dis.get_instructions(code):
-    if ins.opname in ('LOAD_GLOBAL', 'LOAD_NAME') and ins.argval not in names:
-      names.append(ins.argval)
-  for const in code.co_consts:
-    if isinstance(const, types.CodeType):
-      names.extend(n for n in _loaded_globals(const) if n not in names)
-  return tuple(names)
-
-
-def _param_names(fn) -> list[str]:
-  try:
-    return list(inspect.signature(fn).parameters)
-  except (TypeError, ValueError):
-    return []
-
-
-class _Roots:
-  """Collects roots from arguments and from what a callable captures.
-
-  Every closure cell and global name the code reads is guarded, whether or
-  not it led to a Variable; values that hold no graph node also enter the
-  signature, so rebinding one (``M = None`` to a module, ``scale = 2.0`` to
-  ``3.0``) gives a new trace instead of a stale one.
-  """
-
-  def __init__(self, walker: _Walker):
-    self.walker = walker
-    self.roots: list[Root] = []
-    self.cells: list = []
-    self.globals: list = []
-    self.captured: list = []  # (name, static key) of captured values holding no graph node
-    self.plain: list = []  # (source, position in captured) of those values
-    self._explored: set[int] = set()
-
-  def add(self, name, kind: RootKind, obj) -> bool:
-    if _is_callable_to_explore(obj):
-      self.explore(obj)
-      return True
-    self.roots.append(Root(name, kind))
-    found = self.walker.walk(obj, (name,), len(self.roots) - 1)
-    if isinstance(obj, (list, tuple, dict)):  # functions held in a container (a list of branches)
-      for item in obj.values() if isinstance(obj, dict) else obj:
-        if _is_callable_to_explore(item):
-          self.explore(item)
-    return found
-
-  def _captured(self, name, kind: RootKind, obj, source: tuple) -> None:
-    if not self.add(name, kind, obj) and not isinstance(obj, types.ModuleType):
-      if not callable(obj):
-        self.plain.append((source, len(self.captured)))
-      self.captured.append((name, static_key(obj)))
-
-  def explore(self, fn) -> None:
-    if id(fn) in self._explored:
-      return
-    self._explored.add(id(fn))
-    if isinstance(fn, (tuple, list)):  # several functions sharing one discovery
-      for f in fn:
-        self.explore(f)
-    elif isinstance(fn, functools.partial):
-      names = _param_names(fn.func)
-      for i, a in enumerate(fn.args):
-        self.add(names[i] if i < len(names) else f'partial{i}', RootKind.PARTIAL, a)
-      for k, a in fn.keywords.items():
-        self.add(k, RootKind.PARTIAL, a)
-      self.explore(fn.func)
-    elif isinstance(fn, types.MethodType):
-      self.add('self', RootKind.SELF, fn.__self__)
-      self.explore(fn.__func__)
-    elif isinstance(fn, nnx.Pytree) or is_plain_object(fn):
-      self.add('self', RootKind.SELF, fn)
-      call = getattr(type(fn), '__call__', None)
-      if isinstance(call, types.FunctionType):
-        self.explore(call)
-    elif isinstance(fn, types.FunctionType):
-      self._function(fn)
-    elif isinstance(fn, type):  # a class called as the function: its constructor runs
-      init = _user_constructor(fn)
-      if init is not None:
-        self.explore(init)
-    elif hasattr(fn, '__wrapped__'):
-      self.explore(fn.__wrapped__)
-
-  def _function(self, fn: types.FunctionType) -> None:
-    if hasattr(fn, '__wrapped__'):
-      self.explore(fn.__wrapped__)
-    code = fn.__code__
-    library = code.co_filename.startswith(LIBRARY_DIRS)
-    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
-      try:
-        obj = cell.cell_contents
-      except ValueError:
-        continue
-      self.cells.append((cell, obj, name))
-      if library:  # a library's closures may wrap user code; only what leads to Variables counts
-        self.add(name, RootKind.CLOSURE, obj)
-      else:
-        self._captured(name, RootKind.CLOSURE, obj, ('cell', cell))
-    if library:
-      return  # a library's globals are its own
-    namespace = fn.__globals__
-    for name in _loaded_globals(code):
-      obj = namespace.get(name, _MISSING)
-      if obj is _MISSING:
-        continue  # a builtin
-      self.globals.append((namespace, name, obj))
-      self._captured(name, RootKind.GLOBAL, obj, ('global', namespace, name))
-    for i, default in enumerate(fn.__defaults__ or ()):
-      names = code.co_varnames[: code.co_argcount]
-      self.add(names[len(names) - len(fn.__defaults__) + i], RootKind.DEFAULT, default)
-    for k, default in (fn.__kwdefaults__ or {}).items():
-      self.add(k, RootKind.DEFAULT, default)
-
-
-def _user_constructor(cls: type):
-  """``cls.__init__`` when it is written in user code (it may close over an ``nnx.Rngs``), else None."""
-  init = getattr(cls, '__init__', None)
-  if isinstance(init, types.FunctionType) and not init.__code__.co_filename.startswith(LIBRARY_DIRS):
-    return init
-  return None
-
-
-def _is_callable_to_explore(obj) -> bool:
-  if isinstance(obj, (types.FunctionType, functools.partial, types.MethodType)):
-    return True
-  if isinstance(obj, type):
-    return _user_constructor(obj) is not None
-  if isinstance(obj, nnx.Pytree) or is_plain_object(obj):
-    return False
-  return callable(obj) and hasattr(obj, '__wrapped__')
-
-
 def discover(fun: Callable, args: tuple, kwargs: dict) -> Discovery:
   """Every Variable ``fun(*args, **kwargs)`` can reach, in discovery order.
 
@@ -911,7 +446,7 @@ def discover(fun: Callable, args: tuple, kwargs: dict) -> Discovery:
   with ``hijax=True`` or ``ref=True``.
   """
   walker = _Walker()
-  roots = _Roots(walker)
+  roots = RootFinder(walker)
   for i, a in enumerate(args):
     roots.roots.append(Root(i, RootKind.ARG))
     walker.walk(a, (i,), len(roots.roots) - 1)

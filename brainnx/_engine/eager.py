@@ -1,17 +1,28 @@
 """The one eager entry point: a transform called outside any trace runs as a cached program.
 
-Inside a trace a transform runs its body directly. Outside, the call goes
-through a ``brainnx.jit`` of the body, cached per owner (the transform
-object, or the user function of a loop) and per static configuration in a
-cache that holds owners weakly: dropping the function drops its programs.
+Every transform is a public function that parses its keywords once into a
+frozen :class:`Config` (which carries the transform's public name for its
+errors), then calls :func:`call` with its implementation, that config, the
+objects discovery starts from (``roots``: the user's functions, a progress
+bar) and the call's arguments. Inside a trace the implementation runs
+directly; outside, it runs through a ``brainnx.jit`` of itself, cached per
+root and per config in a cache that holds roots weakly: dropping the
+function drops its programs. Transform objects (``vmap``'s and ``grad``'s)
+keep their one program on themselves instead (:func:`program`).
 
 Example:
+  >>> import dataclasses
   >>> import jax.numpy as jnp
-  >>> from brainnx._engine.eager import run
-  >>> def body(f, x, scale):
-  ...   return f(x) * scale
+  >>> from brainnx._engine.config import Config
+  >>> from brainnx._engine.eager import call
+  >>> @dataclasses.dataclass(frozen=True, kw_only=True)
+  ... class ScaleConfig(Config):
+  ...   scale: float
+  >>> def scale_impl(config, roots, x):
+  ...   (f,) = roots
+  ...   return f(x) * config.scale
   >>> double = lambda x: x * 2
-  >>> run(body, (double,), (3.0,), (jnp.ones(2),)).tolist()
+  >>> call(scale_impl, ScaleConfig(name='scale', scale=3.0), (double,), (jnp.ones(2),)).tolist()
   [6.0, 6.0]
 """
 
@@ -25,11 +36,9 @@ from typing import Any, Callable, Sequence
 import jax
 
 from brainnx import _compat
-from brainnx._engine.arguments import StaticArgs
 from brainnx._engine.caches import WeakCache
+from brainnx._engine.config import Config
 from brainnx._engine.jitted import JitOptions, JittedFunction, weak_or_strong
-
-__all__ = ['eager', 'run']
 
 _PROGRAMS = WeakCache(512)
 
@@ -40,45 +49,56 @@ def eager() -> bool:
 
 
 @_compat.api_boundary
-def run(
-  body: Callable,
-  owners: Sequence[Any],
-  config: tuple,
+def call(
+  impl: Callable,
+  config: Config | None,
+  roots: Sequence[Any],
   args: tuple,
   kwargs: dict | None = None,
   *,
   discover_from: Any = None,
   options: JitOptions = JitOptions(),
-  statics: StaticArgs = StaticArgs(),
   compile_first: bool = False,
 ):
-  """``body(*owners, *args, *config, **kwargs)``, compiled when called eagerly.
+  """``impl(config, roots, *args, **kwargs)``, compiled when called eagerly.
 
-  ``owners`` (functions, transform objects, progress bars; ``None`` entries
-  allowed) are held weakly by the cache; ``config`` is part of the key
+  ``roots`` (functions, transform objects, progress bars; ``None`` entries
+  allowed) are held weakly by the cache and are where discovery starts
+  (``discover_from`` instead, when given); ``config`` is part of the key
   (unhashable parts, such as Variable instances given as filters, by
-  identity). ``statics`` are the user's static arguments, kept static by the
-  compiled program as by the traced one. Discovery starts from ``discover_from`` (default: the owners).
-  The user's function runs once per abstract signature, as under ``jax.jit``:
-  the first call traces it and evaluates the trace op by op (as JAX runs an
-  untransformed function), the second compiles that same trace;
-  ``compile_first`` compiles on the first call (``shard_map``, whose
-  primitive JAX evaluates eagerly only without sharded closed-over inputs).
+  identity). ``options.statics`` are the user's static arguments, kept
+  static by the compiled program as by the traced one. The user's function
+  runs once per abstract signature, as under ``jax.jit``: the first call
+  traces it and evaluates the trace op by op (as JAX runs an untransformed
+  function), the second compiles that same trace; ``compile_first``
+  compiles on the first call (``shard_map``, whose primitive JAX evaluates
+  eagerly only without sharded closed-over inputs).
   """
   kwargs = kwargs or {}
   if not eager():
-    return body(*owners, *args, *config, **kwargs)
-  live = [x for o in owners if o is not None for x in _key_objects(o)]
-  if statics == StaticArgs():
-    statics = options.statics
-  key = (body, tuple(o is None for o in owners), hashable(config), statics)
+    return impl(config, tuple(roots), *args, **kwargs)
+  live = [x for o in roots if o is not None for x in _key_objects(o)]
+  key = (impl, tuple(o is None for o in roots), hashable(config), options.statics)
   jitted = _PROGRAMS.get(live, key)
   if jitted is None:
-    # a one-off call never waits for XLA to compile the whole program
-    options = dataclasses.replace(options, statics=statics, compile_on_reuse=not compile_first)
-    jitted = _compile(body, owners, config, discover_from, options)
+    jitted = program(impl, config, roots, discover_from=discover_from, options=options, compile_first=compile_first)
     _PROGRAMS.set(live, key, jitted)
   return jitted(*args, **kwargs)
+
+
+def program(impl: Callable, config: Config | None, roots: Sequence[Any], *, discover_from: Any = None,
+            options: JitOptions = JitOptions(), compile_first: bool = False) -> JittedFunction:
+  """The compiled program of ``impl(config, roots, ...)``, holding ``roots`` weakly: what
+  :func:`call` caches, and what a transform object keeps on itself."""
+  # a one-off call never waits for XLA to compile the whole program
+  options = dataclasses.replace(options, compile_on_reuse=not compile_first)
+  refs = tuple(_ref(o) for o in roots)
+
+  def traced(*args, **kwargs):
+    return impl(config, tuple(r() for r in refs), *args, **kwargs)
+
+  source = discover_from if discover_from is not None else _WeakRoots(refs)
+  return JittedFunction(source, options, traced=traced, name=getattr(impl, '__name__', None))
 
 
 class _ByIdentity:
@@ -101,27 +121,20 @@ def hashable(config):
   """``config`` with its unhashable parts replaced: lists and dicts by tuples, other objects by identity."""
   if isinstance(config, (list, tuple)):
     return (type(config).__name__, *(hashable(x) for x in config))
-  if isinstance(config, dict):
-    return ('dict', *((hashable(k), hashable(v)) for k, v in config.items()))
   try:
     hash(config)
+    return config
   except TypeError:
-    return _ByIdentity(config)
-  return config
+    pass
+  if dataclasses.is_dataclass(config) and not isinstance(config, type):
+    return (type(config), *(hashable(getattr(config, f.name)) for f in dataclasses.fields(config)))
+  if isinstance(config, dict):
+    return ('dict', *((hashable(k), hashable(v)) for k, v in config.items()))
+  return _ByIdentity(config)
 
 
-def _compile(body, owners, config, discover_from, options) -> JittedFunction:
-  refs = tuple(_ref(o) for o in owners)
-
-  def traced(*args, **kwargs):
-    return body(*(r() for r in refs), *args, *config, **kwargs)
-
-  source = discover_from if discover_from is not None else _WeakOwners(refs)
-  return JittedFunction(source, options, traced=traced, name=getattr(body, '__name__', None))
-
-
-class _WeakOwners:
-  """What discovery explores for a weakly held owner: its live objects, via ``__wrapped__``."""
+class _WeakRoots:
+  """What discovery explores for weakly held roots: its live objects, via ``__wrapped__``."""
 
   def __init__(self, refs):
     self._refs = refs

@@ -14,8 +14,6 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-__all__ = ['BatchAxisError', 'check_callable']
-
 
 class BatchAxisError(ValueError):
   """A Variable's batch axis is not what the mapping needs (see ``vmap``).

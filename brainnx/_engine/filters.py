@@ -38,11 +38,6 @@ from flax import nnx
 
 from brainnx import _compat
 
-__all__ = [
-  'AxisRules', 'Stacked', 'code', 'filter_code', 'mark_stacked', 'rules_code', 'stacked_of', 'stacks_exempt',
-  'stacks_handled_by', 'types_code',
-]
-
 
 class _SameObject:
   """Filter matching given Variable instances by identity."""

@@ -36,9 +36,12 @@ from typing import Any, Callable, NamedTuple
 import jax
 
 from brainnx import _compat
+from brainnx._engine.config import Config
+from brainnx._engine.sentinels import MISS, NOT_GIVEN
 from brainnx._engine.arguments import ArgKind, CallArgs, StaticArgs, normalize_argnums
 from brainnx._engine.caches import LRUCache
-from brainnx._engine.discovery import Discovery, discover, holds_graph_node
+from brainnx._engine.discovery import discover, Discovery
+from brainnx._engine.nodes import holds_graph_node
 from brainnx._engine.filters import to_filter
 from brainnx._engine.outputs import Leaf, New
 from brainnx._engine.sharding import Rules, arg_specs, constrain, layout_of, new_layout, place
@@ -47,27 +50,17 @@ from brainnx._engine.state import STATE_CHANGES, read_values, set_values, write_
 from brainnx._engine.stateful_function import StatefulFunction
 from brainnx._engine.tracing import Trace
 
-__all__ = ['JittedFunction', 'JitOptions', 'NOT_GIVEN']
 
 _FAST_DYN = (_compat.ArrayImpl, int, float, bool, complex)
-_MISS = object()
 _compat.quiet_interrupted_callbacks()  # a Ctrl-C in a host callback is raised, not logged (see __call__)
 
 
-class _NotGiven:
-  """The default of ``in_shardings``/``out_shardings``: leave them to ``jax.jit``."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JitOptions(Config):
+  """``jit``'s config: how a ``JittedFunction`` compiles (static and donated arguments,
+  shardings, ``jax.jit`` keywords)."""
 
-  def __repr__(self) -> str:
-    return 'NOT_GIVEN'
-
-
-NOT_GIVEN = _NotGiven()
-
-
-@dataclasses.dataclass(frozen=True)
-class JitOptions:
-  """How a ``JittedFunction`` compiles: static and donated arguments, ``jax.jit`` keywords."""
-
+  name: str = 'jit'
   statics: StaticArgs = StaticArgs()
   donate_argnums: tuple[int, ...] = ()
   donate_states: Any = None  # a filter, or True: every written Variable
@@ -202,7 +195,7 @@ def weak_or_strong(x, callback=None):
 
 
 def _warm_call(plan: _Plan):
-  """``warm(args, kwargs)``: the call if ``plan`` applies, else ``_MISS``.
+  """``warm(args, kwargs)``: the call if ``plan`` applies, else ``MISS``.
 
   A closure over locals, specialised for the common shapes (dynamic
   positional arguments only; references then dynamic arguments), because
@@ -219,17 +212,17 @@ def _warm_call(plan: _Plan):
 
     def warm(args, kwargs):
       if kwargs or len(args) != n:
-        return _MISS
+        return MISS
       if ref_pairs:
         for s, ref in ref_pairs:
           if args[s] is not ref():
-            return _MISS
+            return MISS
         args = tuple([args[s] for s in dyn_slots])
       for x in args:
         if type(x) not in fast_dyn and holds_graph_node(x):
-          return _MISS
+          return MISS
       if not guard():
-        return _MISS
+        return MISS
       # _complete, inlined: this is the whole cost of a warm call beyond JAX's
       entry = kept.get(me)
       values = fresh(plan) if entry is None else entry[1]
@@ -248,7 +241,7 @@ def _warm_call(plan: _Plan):
   def warm_general(args, kwargs):
     dyn = plan.match(args, kwargs)
     if dyn is None:
-      return _MISS
+      return MISS
     current.plan = me
     return _complete(plan, compiled(*plan.state(), *dyn))
 
@@ -277,7 +270,7 @@ def _raise_interrupt(error: BaseException) -> None:
 
 
 def _cold(args, kwargs):
-  return _MISS
+  return MISS
 
 
 class JittedFunction:
@@ -310,7 +303,7 @@ class JittedFunction:
   def __call__(self, *args, **kwargs):
     try:
       out = self._warm(args, kwargs)
-      if out is not _MISS:
+      if out is not MISS:
         return out
       return self._cold_call(args, kwargs)
     except jax.errors.JaxRuntimeError as e:  # costs nothing until raised

@@ -30,10 +30,10 @@ import numpy as np
 from flax import nnx
 
 from brainnx import _compat
-from brainnx._engine.discovery import Discovery, holds_graph_node, is_graph_node, is_plain_object
+from brainnx._engine.discovery import Discovery
+from brainnx._engine.nodes import holds_graph_node, is_graph_node, is_plain_object
 from brainnx._engine.structure import GraphSplit, KnownRefs
 
-__all__ = ['Leaf', 'Known', 'KnownNode', 'New', 'Obj', 'OutSpec', 'is_output_leaf', 'split_output']
 
 # Output leaves that travel as arrays; anything else is returned as a static Python value.
 _TRACEABLE = (jax.Array, np.ndarray, np.generic, int, float, complex, bool, _compat.Tracer, jax.ShapeDtypeStruct)

@@ -19,8 +19,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ['split_per_element', 'advanced_count']
-
 
 def split_per_element(key: jax.Array, count: jax.Array, size: int) -> jax.Array:
   """``size`` independent keys from one draw of the stream, stacked on axis 0.

@@ -32,7 +32,6 @@ from brainnx._engine.arguments import ArgKind, CallArgs
 from brainnx._engine.discovery import Discovery
 from brainnx._engine.filters import to_filter
 
-__all__ = ['Rules', 'arg_specs', 'check_divides', 'check_gathers', 'constrain', 'lay_out', 'layout_of', 'new_layout', 'place', 'resolve']
 
 _SPEC_TYPES = (Sharding, PartitionSpec)
 

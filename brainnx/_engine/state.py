@@ -36,10 +36,6 @@ from brainnx._engine.discovery import Discovery
 from brainnx._engine.outputs import OutSpec, split_output
 from brainnx._engine.structure import NO_ATTACHMENTS, Attachments, GraphSplit, KnownRefs
 
-__all__ = [
-  'STATE_CHANGES', 'TRACE_LOCK', 'StepResult', 'StepShape', 'abstract', 'abstract_args', 'abstract_states',
-  'aval_key', 'finish_call', 'read_values', 'set_values', 'state_step', 'swapped', 'write_values',
-]
 
 #: Held while Variables hold tracers and while values are written back, so that no brainnx
 #: call in one thread sees another thread's tracers (warm reads take it only when

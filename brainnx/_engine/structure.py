@@ -40,9 +40,10 @@ import numpy as np
 from flax import nnx
 
 from brainnx import _compat
-from brainnx._engine.discovery import MISSING, Discovery, holds_graph_node, is_graph_node
+from brainnx._engine.discovery import Discovery
+from brainnx._engine.nodes import holds_graph_node, is_graph_node
+from brainnx._engine.sentinels import MISSING
 
-__all__ = ['Attachments', 'Fresh', 'GraphSplit', 'KnownRefs', 'NO_ATTACHMENTS', 'stand_in']
 
 _ARRAYS = (jax.Array, np.ndarray, _compat.Tracer)
 

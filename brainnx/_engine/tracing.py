@@ -37,8 +37,6 @@ from brainnx._engine.outputs import OutSpec
 from brainnx._engine.state import _abstract_tree, finish_call
 from brainnx._engine.structure import Attachments
 
-__all__ = ['Trace', 'TraceKey', 'trace_call', 'tracing_config']
-
 
 class TraceKey(NamedTuple):
   """What a cached trace depends on."""

@@ -17,21 +17,33 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
-from brainnx._engine.eager import run
-from brainnx._transforms.loops import (
-  _all_or_nothing, _check_callable, _dyn_leaves, _in_python, _split_pbar, _while_parts,
-)
-from brainnx._transforms.progress import runner_for
+from brainnx._engine.config import Config
+from brainnx._engine.eager import call
+from brainnx._engine.loop_body import all_or_nothing, dyn_leaves, in_python
+from brainnx._transforms.progress import runner_for, split_pbar
+from brainnx._transforms.scan import check_loop_callable
+from brainnx._transforms.while_loops import while_parts
 
-__all__ = ['bounded_while_loop']
 
 _NAME = 'bounded_while_loop'
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BoundedWhileConfig(Config):
+  """A ``bounded_while_loop``'s settings: at most ``max_steps`` steps, ``base`` slots per nesting
+  level, ``pbar`` an int update frequency (a :class:`ProgressBar` object is a root)."""
+
+  name: str = _NAME
+  max_steps: int
+  base: int = 16
+  pbar: int | None = None
 
 
 def bounded_while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any, max_steps: int, base: int = 16,
@@ -77,19 +89,22 @@ def bounded_while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any, ma
     >>> float(bnx.bounded_while_loop(lambda x: x < 100, double, 1.0, max_steps=5)), int(steps[...])
     (32.0, 5)
   """
-  _check_callable(cond_fun, f'{_NAME} cond_fun')
-  _check_callable(body_fun, f'{_NAME} body_fun')
+  check_loop_callable(cond_fun, f'{_NAME} cond_fun')
+  check_loop_callable(body_fun, f'{_NAME} body_fun')
   for what, value, least in (('max_steps', max_steps, 1), ('base', base, 2)):
     if not isinstance(value, int) or isinstance(value, bool):
       raise TypeError(f'{_NAME}: {what} must be an int, got {value!r} ({type(value).__name__})')
     if value < least:
       raise ValueError(f'{_NAME}: {what} must be at least {least}, got {what}={value}')
-  bar, rest = _split_pbar(pbar)
-  return run(_bounded_impl, (cond_fun, body_fun, bar), (max_steps, base, rest), (init_val,))
+  bar, rest = split_pbar(pbar)
+  config = BoundedWhileConfig(max_steps=max_steps, base=base, pbar=rest)
+  return call(_bounded_impl, config, (cond_fun, body_fun, bar), (init_val,))
 
 
-def _bounded_impl(cond_fun, body_fun, bar, init_val, max_steps, base, pbar):
-  if _in_python():
+def _bounded_impl(config: BoundedWhileConfig, roots: tuple, init_val):
+  cond_fun, body_fun, bar = roots
+  max_steps, base = config.max_steps, config.base
+  if in_python():
 
     def python_loop():
       val, steps = init_val, 0
@@ -97,10 +112,10 @@ def _bounded_impl(cond_fun, body_fun, bar, init_val, max_steps, base, pbar):
         val, steps = body_fun(val), steps + 1
       return val
 
-    return _all_or_nothing((cond_fun, body_fun), (init_val,), python_loop)
+    return all_or_nothing((cond_fun, body_fun), (init_val,), python_loop)
 
-  body, cond_w, body_w = _while_parts(cond_fun, body_fun, init_val, _NAME)
-  runner = runner_for(bar or pbar, max_steps)
+  body, cond_w, body_w = while_parts(cond_fun, body_fun, init_val, _NAME)
+  runner = runner_for(bar or config.pbar, max_steps)
 
   def going(carry):
     state, i, _ = carry
@@ -114,7 +129,7 @@ def _bounded_impl(cond_fun, body_fun, bar, init_val, max_steps, base, pbar):
     return state, i + 1, run_id
 
   run_id = runner.start() if runner else jnp.int32(0)
-  start = ((body.initial_written(), _dyn_leaves(init_val)), jnp.int32(0), run_id)
+  start = ((body.initial_written(), dyn_leaves(init_val)), jnp.int32(0), run_id)
   slots = base ** max(0, math.ceil(math.log(max_steps, base) - 1e-9))  # a power of base >= max_steps
   (written, leaves), _, _ = jax.lax.cond(going(start), lambda c: _nested(going, step, c, slots, base), lambda c: c, start)
   if runner:

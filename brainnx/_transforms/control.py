@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
@@ -29,12 +30,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from brainnx._engine.discovery import discover
-from brainnx._engine.eager import run
-from brainnx._transforms.loops import _Body, _dyn_leaves, _strong
-from brainnx._engine.state import write_values
+from brainnx._engine.config import Config
+from brainnx._engine.eager import call
 from brainnx._engine.errors import check_callable
+from brainnx._engine.loop_body import LoopBody, dyn_leaves, strong_typed
 
-__all__ = ['cond', 'switch', 'ifelse']
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SwitchConfig(Config):
+  """A branching construct: ``name`` is ``'cond'``, ``'switch'`` or ``'ifelse'``; its branches
+  are its roots (``cond``'s as ``(false_fun, true_fun)``, indexed by the predicate)."""
+
+  name: str = 'switch'
 
 
 def cond(pred, true_fun: Callable, false_fun: Callable, *operands) -> Any:
@@ -70,7 +77,7 @@ def cond(pred, true_fun: Callable, false_fun: Callable, *operands) -> Any:
   # 1e-40 is true although float32 would flush it to zero, and 2**40 needs no int32
   truth = pred if pred.dtype == jnp.bool_ else given != 0
   index = jax.lax.convert_element_type(truth, jnp.int32)
-  return run(_switch_impl, (false_fun, true_fun), ('cond', 2), (index, *operands))
+  return call(_switch_impl, SwitchConfig(name='cond'), (false_fun, true_fun), (index, *operands))
 
 
 def switch(index, branches: Sequence[Callable], *operands) -> Any:
@@ -101,7 +108,7 @@ def switch(index, branches: Sequence[Callable], *operands) -> Any:
   index = _scalar(index, 'switch', '`index`', 'an integer scalar')
   if not jnp.issubdtype(index.dtype, jnp.integer):
     raise TypeError(f'switch: `index` must be an integer scalar, got dtype {index.dtype}')
-  return run(_switch_impl, branches, ('switch', len(branches)), (index, *operands))
+  return call(_switch_impl, SwitchConfig(name='switch'), branches, (index, *operands))
 
 
 def ifelse(conditions: Sequence, branches: Sequence[Callable], *operands) -> Any:
@@ -138,7 +145,7 @@ def ifelse(conditions: Sequence, branches: Sequence[Callable], *operands) -> Any
     flags.append(c)
   flags = jnp.stack(flags)
   index = jnp.where(jnp.any(flags), jnp.argmax(flags), len(branches) - 1).astype(jnp.int32)
-  return run(_switch_impl, branches, ('ifelse', len(branches)), (index, *operands))
+  return call(_switch_impl, SwitchConfig(name='ifelse'), branches, (index, *operands))
 
 
 def _scalar(value, name: str, what: str, expected: str):
@@ -204,12 +211,10 @@ def _restructured(bodies: list, written: list) -> frozenset:
   return frozenset(out)
 
 
-def _switch_impl(*args):
-  """``args``: the ``n`` branches, the index, the operands, then the construct's name and ``n``."""
-  name, n = args[-2:]
-  branches, index, operands = args[:n], args[n], args[n + 1 : -2]
+def _switch_impl(config: SwitchConfig, branches: tuple, index, *operands):
+  name = config.name
   disc = discover(branches, operands, {})
-  bodies = [_Body(b, operands, name, disc) for b in branches]
+  bodies = [LoopBody(b, operands, name, disc) for b in branches]
   shapes = [jax.tree.map(_signature, b.trace.out_shapes(b.disc)) for b in bodies]
   for k, s in enumerate(shapes[1:], start=1):
     if jax.tree.structure(s) != jax.tree.structure(shapes[0]) or jax.tree.leaves(s) != jax.tree.leaves(shapes[0]):
@@ -224,10 +229,10 @@ def _switch_impl(*args):
   restructured = _restructured(bodies, written)
   for b in bodies:
     b.restructured = restructured
-  start = [jax.tree.map(_strong, bodies[0].values[i]) for i in written]
-  dyn_leaves = _dyn_leaves(operands)
+  start = [jax.tree.map(strong_typed, bodies[0].values[i]) for i in written]
+  operand_leaves = dyn_leaves(operands)
 
-  def branch_fn(body: _Body):
+  def branch_fn(body: LoopBody):
     def run_branch(values, leaves):
       by_index = dict(zip(written, values))
       new, out = body.run([by_index[i] for i in body.written], leaves)
@@ -236,6 +241,6 @@ def _switch_impl(*args):
 
     return run_branch
 
-  new_values, out_leaves = jax.lax.switch(index, [branch_fn(b) for b in bodies], start, dyn_leaves)
-  write_values(disc, written, new_values)
+  new_values, out_leaves = jax.lax.switch(index, [branch_fn(b) for b in bodies], start, operand_leaves)
+  bodies[0].write_back(new_values, written)
   return bodies[0].trace.out_spec.rebuild(list(out_leaves), disc)

@@ -12,16 +12,24 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import types
 import weakref
 from typing import Any, Callable
 
 from brainnx._engine.caches import WeakCache
+from brainnx._engine.config import Config
 from brainnx._engine.errors import check_callable
 from brainnx._engine.jitted import weak_or_strong
 from brainnx._engine.stateful_function import StatefulFunction
 
-__all__ = ['eval_shape']
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalShapeConfig(Config):
+  """``eval_shape`` has no settings: it traces (as :func:`make_jaxpr`) and runs nothing."""
+
+  name: str = 'eval_shape'
+
 
 
 def eval_shape(fun: Callable, *args, **kwargs) -> Any:
@@ -52,7 +60,8 @@ def eval_shape(fun: Callable, *args, **kwargs) -> Any:
   check_callable(fun, 'eval_shape')
   shaper = _SHAPERS.get([fun])
   if shaper is None:  # one per function, so a second call with the same signature does not trace again
-    shaper = StatefulFunction(_Weak(fun), name=getattr(fun, '__name__', None))
+    config = EvalShapeConfig()
+    shaper = StatefulFunction(_Weak(fun), name=getattr(fun, '__name__', None) or config.name)
     _SHAPERS.set([fun], None, shaper)
   return shaper.get_out_shapes(*args, **kwargs)
 

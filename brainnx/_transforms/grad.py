@@ -1,4 +1,5 @@
-"""``grad`` and ``value_and_grad`` with respect to Variables (and arguments).
+"""``grad``, ``value_and_grad``, Jacobians, Hessians, ``vjp`` and ``jvp`` with respect to
+Variables (and arguments).
 
 The Variables to differentiate are taken out of the call as inputs of a pure
 function; every other Variable the function writes (batch statistics, RNG
@@ -17,173 +18,55 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
-from flax import nnx
 
-from brainnx import _compat
 from brainnx._engine.arguments import ArgKind, CallArgs, check_argnums, resolve_argnums
-from brainnx._engine.discovery import Discovery, holds_graph_node, is_graph_node
-from brainnx._engine.eager import run
-from brainnx._engine.filters import filter_code, to_filter
 from brainnx._engine.call import StatefulCall
-from brainnx._engine.state import read_values
+from brainnx._engine.nodes import is_graph_node
+from brainnx._engine.config import Config
+from brainnx._engine.eager import call, eager, program
 from brainnx._engine.errors import check_callable
-
-__all__ = ['grad', 'value_and_grad']
-
-
-class _Targets:
-  """What to differentiate: Variables (with how to package their grads) and argnums."""
-
-  def __init__(self, spec, disc: Discovery, call_args: tuple, argnums, name: str = 'grad', filters: dict | None = None):
-    self.name = name
-    self.variables: list = []  # unique Variables, in input order
-    self.spec = spec
-    self._pack_state = lambda grads: None
-    if spec is not None:
-      self._pack_state = self._resolve(spec, disc)
-    self.argnums = argnums  # resolved: non-negative, in range, distinct
-    self.node_args = {}  # argnum -> pack function for graph-node arguments
-    for k in argnums or ():
-      if holds_graph_node(call_args[k]):  # a node, or a State/dict/list holding them, as nnx.grad takes
-        self.node_args[k] = self._node(call_args[k], (filters or {}).get(k, nnx.Param), k)
-
-  def _index(self, variable) -> int:
-    for k, v in enumerate(self.variables):
-      if v is variable:
-        return k
-    self.variables.append(variable)
-    return len(self.variables) - 1
-
-  def _node(self, node, selects=nnx.Param, argnum: int | None = None):
-    """How to pack the gradient of ``node``, as ``nnx.grad`` does: a Module's Variables that
-    ``selects`` (on paths relative to the Module) as an ``nnx.State``; a Variable whole; a
-    State, dict or list holding them, the same container of their gradients."""
-    if isinstance(node, nnx.Variable):
-      k = self._index(node)
-      return lambda grads: grads[k]
-    if is_graph_node(node):
-      flat = list(nnx.to_flat_state(nnx.state(node, to_filter(selects))))
-      slots = [(path, var, self._index(var)) for path, var in flat]
-      return lambda grads: nnx.from_flat_state([(path, _grad_leaf(var, grads[k])) for path, var, k in slots])
-    leaves, treedef = jax.tree.flatten(node, is_leaf=is_graph_node)
-    packs = []
-    for x in leaves:
-      if isinstance(x, nnx.Variable):
-        k = self._index(x)
-        packs.append(lambda grads, x=x, k=k: _grad_leaf(x, grads[k]))
-      elif is_graph_node(x):
-        packs.append(self._node(x, selects))
-      else:
-        raise TypeError(
-          f'{self.name}: argument {argnum} (argnums) holds arrays beside Variables or Modules '
-          f'({type(x).__name__}); pass the arrays as an argument of their own, or hold them in Variables'
-        )
-    return lambda grads: treedef.unflatten([pack(grads) for pack in packs])
-
-  def _resolve(self, spec, disc: Discovery):
-    if is_graph_node(spec):
-      return self._node(spec)
-    if isinstance(spec, dict) and spec and all(is_graph_node(v) for v in spec.values()):
-      packs = {key: self._node(v) for key, v in spec.items()}
-      return lambda grads: {key: pack(grads) for key, pack in packs.items()}
-    if isinstance(spec, (list, tuple)) and spec and all(is_graph_node(v) for v in spec):
-      packs = [self._node(v) for v in spec]
-      return lambda grads: type(spec)(pack(grads) for pack in packs)
-    predicate = to_filter(spec)
-    matched = [(p, v) for p, v in zip(disc.paths, disc.variables) if predicate(p, v)]
-    if not matched:
-      shown = ', '.join(repr(tuple(p)) for p in disc.paths[:4]) + (', ...' if len(disc.paths) > 4 else '')
-      raise ValueError(
-        f'{self.name}: grad_states={spec!r} matches none of the Variables the function uses. A filter sees '
-        f'paths that start at the root: an argument position or a captured name ({shown}). Match inside '
-        "them (nnx.PathContains('name')), or differentiate an argument on its own paths with "
-        'argnums=nnx.DiffState(k, filter), as nnx.grad does'
-      )
-    slots = [(path, var, self._index(var)) for path, var in matched]
-    return lambda grads: GradsByRoot(nnx.from_flat_state([(path, _grad_leaf(var, grads[k])) for path, var, k in slots]))
-
-  def check_differentiable(self, disc: Discovery) -> None:
-    for v in self.variables:
-      for leaf in jax.tree.leaves(_compat.raw_value(v)):
-        dtype = jnp.result_type(leaf)
-        if not jnp.issubdtype(dtype, jnp.inexact):
-          i = disc.index_of(v)
-          where = disc.describe(i) if i is not None else type(v).__name__
-          raise TypeError(
-            f'{self.name}: cannot differentiate with respect to {where} (dtype {dtype}): only '
-            f'floating-point Variables have gradients; {self._fix(v, disc.paths[i] if i is not None else ())}'
-          )
-
-  def _fix(self, variable, path) -> str:
-    """What to write instead, for a non-differentiable ``variable`` the selection took."""
-    if not isinstance(variable, nnx.Param):
-      return 'select the floating-point ones, e.g. grad_states=nnx.Param'
-    name = path[-1] if path else None
-    chosen = filter_code(self.spec) if self.spec is not None and not is_graph_node(self.spec) else None
-    around = f'nnx.All({chosen or "nnx.Param"}, nnx.Not(nnx.PathContains({name!r})))'
-    return (
-      'it is an nnx.Param, so grad_states=nnx.Param (or passing its Module) selects it too. Hold it '
-      f'in an nnx.Variable instead (self.{name if isinstance(name, str) else "step"} = '
-      f'nnx.Variable(...) in the Module), or select around it: grad_states={around}'
-    )
-
-  def pack_states(self, grads):
-    return self._pack_state(grads)
+from brainnx._engine.state import read_values
+from brainnx._transforms.grad_targets import GradTargets, diff_states
 
 
-class _RootKeyedState(nnx.State):
-  """An ``nnx.State`` whose subclasses register their own pytree flattening (below)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GradConfig(Config):
+  """A differentiating transform's settings, parsed once when it is built.
 
-  def __init_subclass__(cls) -> None:  # nnx.State's hook would register a sort of the raw keys
-    pass
-
-
-class GradsByRoot(_RootKeyedState):
-  """Gradients selected by a filter, nested by root name (``grads['model']['l1']['kernel']``).
-
-  ``grads[root]`` is an ``nnx.State`` shaped like ``nnx.state(root, nnx.Param)``, ready for
-  ``optimizer.update(root, grads[root])``; passing the whole object to an optimizer is refused
-  with a message saying so. ``jax.tree`` functions work on it as on any ``nnx.State``. Roots are
-  argument positions (ints) and captured names (strs) side by side: its leaves are ordered by
-  root with ints first, then strs.
+  ``transform`` is ``jax.grad``, ``jax.jacrev``, ``jax.jacfwd``, the diagonal Hessian, or
+  (for ``vjp`` and ``jvp``, which differentiate on their own) ``jax.vjp``/``jax.jvp``;
+  ``argnums`` resolved to a tuple (``argnums_is_int``: the user gave one int) with each
+  position's ``nnx.DiffState`` filter in ``filters`` (``None`` without one); the output is
+  ``grads`` plus ``value`` / ``aux`` as ``return_value``, ``has_aux`` and
+  ``with_value_first`` (``value_and_grad``'s order) say.
   """
 
+  name: str = 'grad'
+  grad_states: Any = None
+  argnums: tuple | None = None
+  argnums_is_int: bool = False
+  filters: tuple | None = None
+  has_aux: bool = False
+  return_value: bool = False
+  with_value_first: bool = False
+  transform: Callable = jax.grad
 
-def _root_items(grads: GradsByRoot) -> list:
-  return sorted(grads.raw_mapping.items(), key=lambda kv: (not isinstance(kv[0], int), kv[0]))
-
-
-jax.tree_util.register_pytree_with_keys(
-  GradsByRoot,
-  lambda g: ([(jax.tree_util.DictKey(k), v) for k, v in _root_items(g)], tuple(k for k, _ in _root_items(g))),
-  lambda keys, leaves: GradsByRoot(zip(keys, leaves)),
-  lambda g: ([v for _, v in _root_items(g)], tuple(k for k, _ in _root_items(g))),
-)
-
-
-def _nested_by_root(grads) -> str:
-  keys = list(grads.keys()) or ['model']
-  holder = keys[0] if isinstance(keys[0], str) else 'model'  # a captured name, or the argument
-  return (
-    f"these gradients are nested by root name ({', '.join(map(repr, keys))}): pass one root's entry "
-    f'to the optimizer of that root, e.g. optimizer.update({holder}, grads[{keys[0]!r}])'
-  )
+  @classmethod
+  def parse(cls, name: str, grad_states, argnums, **fields) -> 'GradConfig':
+    argnums, filters = diff_states(argnums)
+    argnums, argnums_is_int = check_argnums(argnums, name)
+    if argnums is None and grad_states is None:
+      argnums, argnums_is_int = (0,), True
+    return cls(name=name, grad_states=grad_states, argnums=argnums, argnums_is_int=argnums_is_int, filters=filters,
+               **fields)
 
 
-_compat.refuse_nnx_flatten(GradsByRoot, _nested_by_root)
-
-
-def _grad_leaf(var, grad):
-  """A gradient in the shape ``nnx.State`` gives its state: a Variable, or a data array as is."""
-  return var.copy(grad) if isinstance(var, nnx.Variable) else grad
-
-
-def _pure_call(fun, grad_states, argnums, has_aux, args, kwargs, name='grad', filters=None):
+def _pure_call(config: GradConfig, fun: Callable, args: tuple, kwargs: dict, argnums, filters=None):
   """The call as a pure function of the selected Variables' and arguments' values.
 
   Returns ``(pure, target_vals, arg_vals, stateful, pack)``: ``pure(t, a)`` gives
@@ -194,14 +77,15 @@ def _pure_call(fun, grad_states, argnums, has_aux, args, kwargs, name='grad', fi
   differentiated argument to what its Modules contribute (``nnx.DiffState``'s filter;
   ``nnx.Param`` when absent).
   """
+  grad_states, has_aux, name = config.grad_states, config.has_aux, config.name
   stateful = StatefulCall.enter(fun, args, kwargs, name=name)
-  call, disc, values = stateful.call, stateful.disc, stateful.values
-  targets = _Targets(grad_states, disc, args, argnums, name, filters)
+  call_args, disc, values = stateful.call, stateful.disc, stateful.values
+  targets = GradTargets(grad_states, disc, args, argnums, name, filters)
   targets.check_differentiable(disc)
   target_at = [disc.index_of(v) for v in targets.variables]
   diff_args = tuple(k for k in (argnums or ()) if k not in targets.node_args)
   for k in diff_args:
-    if call.kinds[k] is not ArgKind.DYN:
+    if call_args.kinds[k] is not ArgKind.DYN:
       raise TypeError(f'{name}: argument {k} (argnums) must be arrays, not a container holding Modules')
 
   def pure(target_vals, arg_vals):
@@ -257,75 +141,60 @@ def _selected(grad_states, argnums, argnums_is_int, state_grads, by_arg):
   return state_grads if grad_states is not None else arg_grads
 
 
-def _grad_call(fun, grad_states, argnums, argnums_is_int, has_aux, args, kwargs, transform=jax.grad, name='grad',
-               filters=None):
+def _grad_call(config: GradConfig, fun: Callable, args: tuple, kwargs: dict):
   """``(value, aux, grads)`` of one call; other writes applied.
 
-  ``transform`` is ``jax.grad``, ``jax.jacrev``, ``jax.jacfwd`` or the diagonal hessian. A
-  Jacobian of a function returning a pytree has that pytree's structure outermost, as
+  A Jacobian of a function returning a pytree has that pytree's structure outermost, as
   ``jax.jacrev`` gives it: each output leaf holds the derivatives as the selection packs them.
   """
-  by_arg = {}
+  argnums, by_arg = config.argnums, {}
   if argnums is not None:
-    argnums = resolve_argnums(argnums, len(args), name)
-    by_arg = dict(zip(argnums, filters or ()))
-  pure, target_vals, arg_vals, stateful, pack = _pure_call(fun, grad_states, argnums, has_aux, args, kwargs, name, by_arg)
+    argnums = resolve_argnums(argnums, len(args), config.name)
+    by_arg = dict(zip(argnums, config.filters or ()))
+  pure, target_vals, arg_vals, stateful, pack = _pure_call(config, fun, args, kwargs, argnums, by_arg)
   with stateful.rolling_back():
-    derivs, (value, out_leaves, written_vals) = transform(pure, argnums=(0, 1), has_aux=True)(target_vals, arg_vals)
+    differentiated = config.transform(pure, argnums=(0, 1), has_aux=True)
+    derivs, (value, out_leaves, written_vals) = differentiated(target_vals, arg_vals)
     stateful.write_back(written_vals)
-    aux = aux_of(stateful, out_leaves, has_aux)
+    aux = aux_of(stateful, out_leaves, config.has_aux)
   out_def = jax.tree.structure(value)
   per_leaf = []
   for g_states, g_args in out_def.flatten_up_to(derivs):
     state_grads, by_arg = pack(g_states, g_args)
-    per_leaf.append(_selected(grad_states, argnums, argnums_is_int, state_grads, by_arg))
+    per_leaf.append(_selected(config.grad_states, argnums, config.argnums_is_int, state_grads, by_arg))
   return value, aux, jax.tree.unflatten(out_def, per_leaf)
 
 
-def _diff_states(argnums):
-  """``argnums`` with flax's ``nnx.DiffState(argnum, filter)`` entries as their ints, and each
-  position's filter (``nnx.Param`` where an int was given); ``None`` without a DiffState."""
-  if isinstance(argnums, nnx.DiffState):
-    return argnums.argnum, (argnums.filter,)
-  if isinstance(argnums, (tuple, list)) and any(isinstance(a, nnx.DiffState) for a in argnums):
-    return (
-      tuple(a.argnum if isinstance(a, nnx.DiffState) else a for a in argnums),
-      tuple(a.filter if isinstance(a, nnx.DiffState) else nnx.Param for a in argnums),
-    )
-  return argnums, None
+def _grad_impl(config: GradConfig, roots: tuple, *args, **kwargs):
+  """The output a differentiating transform returns, in the order its config says."""
+  value, aux, grads = _grad_call(config, roots[0].fun, args, kwargs)
+  if config.with_value_first:
+    return ((value, aux) if config.has_aux else value), grads
+  if config.return_value and config.has_aux:
+    return grads, value, aux
+  if config.return_value:
+    return grads, value
+  if config.has_aux:
+    return grads, aux
+  return grads
 
 
 class GradFunction:
-  """The callable ``grad`` / ``value_and_grad`` return."""
+  """The callable ``grad`` / ``value_and_grad`` / ``jacrev`` / ``jacfwd`` / ``hessian`` return;
+  it keeps its compiled program (made at the first eager call) on itself."""
 
-  def __init__(self, fun, grad_states, argnums, has_aux, return_value, with_value_first, transform=jax.grad,
-               name='grad'):
-    self.fun, self.grad_states, self.has_aux, self.transform = fun, grad_states, has_aux, transform
-    self.return_value, self.with_value_first, self.name = return_value, with_value_first, name
-    argnums, self.filters = _diff_states(argnums)
-    self.argnums, self.argnums_is_int = check_argnums(argnums, name)
-    if self.argnums is None and grad_states is None:
-      self.argnums, self.argnums_is_int = (0,), True
+  def __init__(self, fun: Callable, config: GradConfig):
+    self.fun, self.config = fun, config
+    self._program = None
     functools.update_wrapper(self, fun, updated=())
     self.__wrapped__ = fun
 
-  def _impl(self, *args, **kwargs):
-    value, aux, grads = _grad_call(
-      self.fun, self.grad_states, self.argnums, self.argnums_is_int, self.has_aux, args, kwargs, self.transform,
-      self.name, self.filters,
-    )
-    if self.with_value_first:
-      return ((value, aux) if self.has_aux else value), grads
-    if self.return_value and self.has_aux:
-      return grads, value, aux
-    if self.return_value:
-      return grads, value
-    if self.has_aux:
-      return grads, aux
-    return grads
-
   def __call__(self, *args, **kwargs):
-    return run(GradFunction._impl, (self,), (), args, kwargs, discover_from=(self.fun, self.grad_states))
+    if not eager():
+      return _grad_impl(self.config, (self,), *args, **kwargs)
+    if self._program is None:
+      self._program = program(_grad_impl, self.config, (self,), discover_from=(self.fun, self.config.grad_states))
+    return self._program(*args, **kwargs)
 
   def __get__(self, obj, objtype=None):
     """Decorating a method: ``self`` is bound as the first argument (``argnums`` count it)."""
@@ -394,7 +263,7 @@ def grad(
     ([6.0, 6.0], 9.0)
   """
   check_callable(fun, 'grad')
-  return GradFunction(fun, grad_states, argnums, has_aux, return_value, with_value_first=False)
+  return GradFunction(fun, GradConfig.parse('grad', grad_states, argnums, has_aux=has_aux, return_value=return_value))
 
 
 def value_and_grad(
@@ -439,4 +308,158 @@ def value_and_grad(
     [1.0]
   """
   check_callable(fun, 'value_and_grad')
-  return GradFunction(fun, grad_states, argnums, has_aux, False, with_value_first=True, name='value_and_grad')
+  config = GradConfig.parse('value_and_grad', grad_states, argnums, has_aux=has_aux, with_value_first=True)
+  return GradFunction(fun, config)
+
+
+# -- Jacobians, Hessians, vjp and jvp ---------------------------------------------
+
+
+def _derivative(transform, name: str):
+  def make(
+    fun: Callable,
+    grad_states: Any = None,
+    argnums: int | Sequence[int] | None = None,
+    has_aux: bool = False,
+    return_value: bool = False,
+  ) -> GradFunction:
+    check_callable(fun, name)
+    config = GradConfig.parse(name, grad_states, argnums, has_aux=has_aux, return_value=return_value, transform=transform)
+    return GradFunction(fun, config)
+
+  make.__name__ = make.__qualname__ = name
+  make.__doc__ = f"""``jax.{name}`` of a stateful function, with ``grad_states`` / ``argnums`` as :func:`grad`.
+
+  Args:
+    fun: the function; other Variables it writes keep their new values.
+    grad_states: the Variables to differentiate (a graph node, a container of nodes, Variables,
+      or a filter), packaged as :func:`grad` packages gradients.
+    argnums: positional arguments to differentiate too (default ``0`` when ``grad_states``
+      is ``None``).
+    has_aux: ``fun`` returns ``(value, aux)``.
+    return_value: also return the value: ``(derivative, value)``.
+
+  Returns:
+    A function returning the derivative (``(state_derivative, arg_derivative)`` with both
+    selections), plus ``aux`` / ``value`` as :func:`grad`. ``hessian`` gives each selected
+    Variable's (and argument's) own block, ``d2f / dx dx``.
+
+  Raises:
+    TypeError: ``fun`` is not callable, or a selected Variable is not floating point.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import brainnx as bnx
+    >>> bnx.{name}(lambda x: (x ** 3).sum())(jnp.array([1.0, 2.0])).tolist() == (
+    ...     [[6.0, 0.0], [0.0, 12.0]] if '{name}' == 'hessian' else [3.0, 12.0])
+    True
+  """
+  return make
+
+
+def _diagonal_hessian(f, argnums, has_aux):
+  """``jax.hessian`` keeping, for each selected value, its own block ``d2f / dx dx``."""
+  full = jax.hessian(f, argnums=argnums, has_aux=has_aux)
+
+  def diagonal(*args):
+    h, aux = full(*args)
+    blocks = tuple([h[g][k][g][k] for k in range(len(args[g]))] for g in range(len(argnums)))
+    return blocks, aux
+
+  return diagonal
+
+
+_diagonal_hessian.__name__ = 'hessian'
+
+jacrev = _derivative(jax.jacrev, 'jacrev')
+jacfwd = _derivative(jax.jacfwd, 'jacfwd')
+hessian = _derivative(_diagonal_hessian, 'hessian')
+
+
+def vjp(fun: Callable, *primals, grad_states: Any = None, argnums: int | Sequence[int] | None = None,
+        has_aux: bool = False) -> tuple:
+  """``jax.vjp`` of a stateful function at ``primals``, with ``grad_states`` / ``argnums`` as
+  :func:`grad` (without either, every primal is differentiated).
+
+  Args:
+    fun: the function; Variables it writes (other than selected ones) keep their new values.
+    *primals: its positional arguments.
+    grad_states, argnums: what to differentiate, as in :func:`grad`.
+    has_aux: ``fun`` returns ``(value, aux)``.
+
+  Returns:
+    ``(value, vjp_fn)`` or ``(value, vjp_fn, aux)``; ``vjp_fn(cotangent)`` returns the
+    derivatives packaged as :func:`grad` packages gradients.
+
+  Raises:
+    TypeError: ``fun`` is not callable, or a selected Variable is not floating point.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import brainnx as bnx
+    >>> y, pull = bnx.vjp(lambda x: x * 2, jnp.ones(2))
+    >>> pull(jnp.array([1.0, 3.0]))[0].tolist()   # one cotangent per primal, as jax.vjp
+    [2.0, 6.0]
+  """
+  check_callable(fun, 'vjp')
+  nums, argnums_is_int = check_argnums(argnums, 'vjp')
+  if nums is None and grad_states is None:
+    nums = tuple(range(len(primals)))
+  if nums is not None:
+    nums = resolve_argnums(nums, len(primals), 'vjp')
+  config = GradConfig(name='vjp', grad_states=grad_states, argnums=nums, argnums_is_int=argnums_is_int,
+                      has_aux=has_aux, transform=jax.vjp)
+  pure, target_vals, arg_vals, stateful, pack = _pure_call(config, fun, primals, {}, nums)
+  with stateful.rolling_back():
+    value, pull, (_, out_leaves, written_vals) = jax.vjp(pure, target_vals, arg_vals, has_aux=True)
+    stateful.write_back(written_vals)
+    aux = aux_of(stateful, out_leaves, has_aux)
+
+  def vjp_fn(cotangent):
+    g_states, g_args = pull(cotangent)
+    return _selected(grad_states, nums, argnums_is_int, *pack(g_states, g_args))
+
+  return (value, vjp_fn, aux) if has_aux else (value, vjp_fn)
+
+
+def jvp(fun: Callable, primals: Sequence, tangents: Sequence, has_aux: bool = False) -> tuple:
+  """``jax.jvp`` of a stateful function in JAX's form: Variables are held constant (read,
+  and written back, but not differentiated).
+
+  Args:
+    fun: the function.
+    primals, tangents: sequences of the positional arguments and their tangents.
+    has_aux: ``fun`` returns ``(value, aux)``.
+
+  Returns:
+    ``(value, tangent_out)`` or ``(value, tangent_out, aux)``.
+
+  Raises:
+    TypeError: ``fun`` is not callable.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import brainnx as bnx
+    >>> bnx.jvp(lambda x: x ** 2, (jnp.float32(3.0),), (jnp.float32(1.0),))[1].tolist()
+    6.0
+  """
+  check_callable(fun, 'jvp')
+  if not isinstance(primals, (tuple, list)) or not isinstance(tangents, (tuple, list)):
+    raise TypeError(
+      'jvp: primals and tangents must be tuples or lists (one entry per positional argument, as '
+      f'jax.jvp takes them); got {type(primals).__name__} and {type(tangents).__name__}'
+    )
+  config = GradConfig(name='jvp', has_aux=has_aux, transform=jax.jvp)
+  return call(_jvp_impl, config, (fun,), (tuple(primals), tuple(tangents)))
+
+
+def _jvp_impl(config: GradConfig, roots: tuple, primals, tangents):
+  (fun,), has_aux = roots, config.has_aux
+  pure, target_vals, arg_vals, stateful, _ = _pure_call(config, fun, primals, {}, tuple(range(len(primals))))
+  with stateful.rolling_back():
+    value, tangent_out, (_, out_leaves, written_vals) = jax.jvp(
+      lambda *a: pure(target_vals, list(a)), tuple(arg_vals), tuple(tangents), has_aux=True
+    )
+    stateful.write_back(written_vals)
+    aux = aux_of(stateful, out_leaves, has_aux)
+  return (value, tangent_out, aux) if has_aux else (value, tangent_out)

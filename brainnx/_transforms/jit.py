@@ -19,11 +19,11 @@ import functools
 from typing import Any, Callable, Sequence
 
 from brainnx._engine.arguments import StaticArgs, normalize_argnums
-from brainnx._engine.jitted import NOT_GIVEN, JitOptions, JittedFunction
+from brainnx._engine.jitted import JitOptions, JittedFunction
+from brainnx._engine.sentinels import NOT_GIVEN
 from brainnx._engine.sharding import Rules
 from brainnx._engine.errors import check_callable
 
-__all__ = ['jit']
 
 def jit(
   fun: Callable | None = None,

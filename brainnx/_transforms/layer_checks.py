@@ -32,8 +32,6 @@ from brainnx._engine.errors import BatchAxisError
 from brainnx._engine.filters import AxisRules, filter_code, stacked_of
 from brainnx._transforms.vmap_checks import check_rules_reach, stacked_hint
 
-__all__ = ['check_read_stacks', 'check_rules', 'explain_failure', 'from_state_axes']
-
 
 def from_state_axes(state_axes) -> dict:
   """An ``nnx.StateAxes`` given to ``scan`` as the ``{axis: filter}`` it means; ``nnx.Carry`` is

@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -16,12 +17,20 @@ import jax.numpy as jnp
 from flax import nnx
 
 from brainnx._engine.discovery import discover
-from brainnx._engine.eager import run
+from brainnx._engine.config import Config
+from brainnx._engine.eager import call
 from brainnx._engine.filters import stacks_handled_by
-from brainnx._transforms.loops import _Body, _check_callable, _for_body, _scan_impl, _step_example, leading_length, scan
+from brainnx._engine.loop_body import LoopBody
+from brainnx._transforms.scan import ScanConfig, check_loop_callable, for_body, leading_length, run_scan, scan, step_example
 from brainnx._transforms.vmap import vmap
 
-__all__ = ['map']
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MapConfig(Config):
+  """A ``map``'s settings: ``batch_size`` ``None`` for a sequential loop, else the chunk size."""
+
+  name: str = 'map'
+  batch_size: int | None = None
 
 
 def map(f: Callable, *xs, batch_size: int | None = None) -> Any:  # noqa: A001 - brainstate's name
@@ -61,22 +70,22 @@ def map(f: Callable, *xs, batch_size: int | None = None) -> Any:  # noqa: A001 -
     >>> bnx.map(f, jnp.arange(4)).tolist(), int(seen[...])
     ([0, 2, 4, 6], 4)
   """
-  _check_callable(f, 'map')
+  check_loop_callable(f, 'map')
   if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0):
     raise ValueError(f'map: batch_size must be a positive int, got {batch_size!r}')
-  return run(_map_impl, (f,), (batch_size,), xs)
+  return call(_map_impl, MapConfig(batch_size=batch_size), (f,), xs)
 
 
-def _map_impl(f, *args):
-  *xs, batch_size = args
+def _map_impl(config: MapConfig, roots: tuple, *xs):
+  (f,), batch_size = roots, config.batch_size
   if not jax.tree.leaves(xs):
     raise ValueError('map: no inputs to map over')
   n = leading_length(xs, None, 'map')
   if batch_size is None:
     with stacks_handled_by(f):  # map slices its inputs, never Variables: a stack read whole is meant
-      return _scan_impl(_for_body(f), None, None, tuple(xs), None, False, 1, None, None, 'map')[1]
-  example = (None, _step_example(xs))
-  body = _Body(lambda c, x: (c, f(*x)), example, 'map', discover(f, example, {}))
+      return run_scan(ScanConfig(name='map'), for_body(f), None, None, xs)[1]
+  example = (None, step_example(xs))
+  body = LoopBody(lambda c, x: (c, f(*x)), example, 'map', discover(f, example, {}))
   written = [i for i in body.written if not isinstance(body.disc.variables[i], nnx.RngState)]
   if written:
     names = ', '.join(body.disc.describe(i) for i in written)

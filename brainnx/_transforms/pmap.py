@@ -25,9 +25,7 @@ from __future__ import annotations
 from typing import Any, Callable, Hashable
 
 from brainnx._engine.arguments import StaticArgs, normalize_argnums
-from brainnx._transforms.vmap import Mapper, map_config, mapped
-
-__all__ = ['pmap']
+from brainnx._transforms.vmap import Mapper, vmap_config, mapped
 
 
 def pmap(
@@ -108,7 +106,7 @@ def pmap(
     (True, 1)
   """
   statics = normalize_argnums(static_broadcasted_argnums, 'static_broadcasted_argnums')
-  config = map_config(
+  config = vmap_config(
     'pmap',
     in_axes=in_axes,
     out_axes=out_axes,

@@ -35,8 +35,6 @@ from jax.experimental import io_callback
 
 from brainnx import _compat
 
-__all__ = ['ProgressBar', 'check_pbar', 'runner_for']
-
 
 class ProgressBar:
   """A progress bar for ``scan``, ``for_loop``, their checkpointed forms, ``fori_loop`` and
@@ -213,6 +211,13 @@ def check_pbar(pbar: Any) -> None:
   raise TypeError(f'pbar must be None, a ProgressBar or a positive int, got {type(pbar).__name__}')
 
 
+def split_pbar(pbar: Any) -> tuple:
+  """``(ProgressBar or None, int frequency or None)``: a bar object is a transform's root (held
+  weakly by the eager cache), a frequency part of its config."""
+  check_pbar(pbar)
+  return (pbar, None) if isinstance(pbar, ProgressBar) else (None, pbar)
+
+
 def runner_for(pbar: Any, n: int) -> _Runner | None:
   """``pbar`` (``None``, a ``ProgressBar`` or a positive int) as a runner for ``n`` steps."""
   check_pbar(pbar)
@@ -221,7 +226,6 @@ def runner_for(pbar: Any, n: int) -> _Runner | None:
   if isinstance(pbar, ProgressBar):
     return pbar.init(n)
   return _Runner(_shared_bar(pbar), n, pbar)
-
 
 
 _INT_BARS: dict[int, ProgressBar] = {}

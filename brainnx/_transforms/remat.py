@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Sequence
 
@@ -20,10 +21,20 @@ import jax
 
 from brainnx._engine.arguments import StaticArgs, normalize_argnums
 from brainnx._engine.call import StatefulCall
-from brainnx._engine.eager import run
+from brainnx._engine.config import Config
+from brainnx._engine.eager import call
 from brainnx._engine.errors import check_callable
+from brainnx._engine.jitted import JitOptions
 
-__all__ = ['remat', 'checkpoint']
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RematConfig(Config):
+  """``remat``'s settings, as ``jax.checkpoint`` takes them, and the user's static arguments."""
+
+  name: str = 'remat'
+  prevent_cse: bool = True
+  policy: Callable | None = None
+  statics: StaticArgs = StaticArgs()
 
 
 def remat(
@@ -56,11 +67,12 @@ def remat(
     6.0
   """
   check_callable(fun, 'remat')
-  statics = StaticArgs(argnums=normalize_argnums(static_argnums))
+  config = RematConfig(prevent_cse=prevent_cse, policy=policy, statics=StaticArgs(argnums=normalize_argnums(static_argnums)))
+  options = JitOptions(statics=config.statics)
 
   @functools.wraps(fun)
   def rematted(*args, **kwargs):
-    return run(_remat_impl, (fun,), (prevent_cse, policy, statics), args, kwargs, statics=statics)
+    return call(_remat_impl, config, (fun,), args, kwargs, options=options)
 
   return rematted
 
@@ -68,10 +80,11 @@ def remat(
 checkpoint = remat
 
 
-def _remat_impl(fun, *rest, **kwargs) -> Any:
-  *args, prevent_cse, policy, statics = rest
-  call = StatefulCall.enter(fun, tuple(args), kwargs, name='remat', statics=statics)
-  with call.rolling_back():
-    written, _, leaves = jax.checkpoint(call.pure, prevent_cse=prevent_cse, policy=policy)(call.values, call.call.dyn)
-    call.write_back(written)
-  return call.output(leaves)
+def _remat_impl(config: RematConfig, roots: tuple, *args, **kwargs) -> Any:
+  (fun,) = roots
+  stateful = StatefulCall.enter(fun, args, kwargs, name=config.name, statics=config.statics)
+  with stateful.rolling_back():
+    rematted = jax.checkpoint(stateful.pure, prevent_cse=config.prevent_cse, policy=config.policy)
+    written, _, leaves = rematted(stateful.values, stateful.call.dyn)
+    stateful.write_back(written)
+  return stateful.output(leaves)

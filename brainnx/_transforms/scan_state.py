@@ -30,10 +30,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from brainnx import _compat
-from brainnx._engine.discovery import Discovery, RootKind, is_graph_node
+from brainnx._engine.discovery import Discovery
+from brainnx._engine.nodes import is_graph_node
+from brainnx._engine.roots import RootKind
 from brainnx._engine.filters import AxisRules
 
-__all__ = ['StepState', 'check_scan_rules', 'holds_nodes', 'step_state']
 
 _XS = 1  # the position of ``x`` in the body's ``f(carry, x)``
 

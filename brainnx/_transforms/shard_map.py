@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -31,13 +32,28 @@ from jax.sharding import NamedSharding, PartitionSpec
 from brainnx._engine.arguments import ArgKind, CallArgs
 from brainnx._engine.call import StatefulCall
 from brainnx._engine.discovery import discover
-from brainnx._engine.eager import eager, run
+from brainnx._engine.config import Config
+from brainnx._engine.eager import call, eager
 from brainnx._engine.sharding import Rules, arg_specs, check_divides, check_gathers, constrain, place
 from brainnx._engine.errors import check_callable
 
-__all__ = ['shard_map']
 
 _REPLICATED = PartitionSpec()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardMapConfig(Config):
+  """``shard_map``'s settings: the mesh (``None``: the one set with ``jax.set_mesh``), the
+  arguments' and output's specs, and the Variables' spec rules."""
+
+  name: str = 'shard_map'
+  mesh: Any = None
+  in_specs: Any = None
+  out_specs: Any = None
+  state_in: Rules
+  state_out: Rules
+  axis_names: frozenset = frozenset()
+  check_vma: bool = True
 
 
 def shard_map(
@@ -92,17 +108,17 @@ def shard_map(
   check_callable(f, 'shard_map')
   if mesh is not None and not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
     raise TypeError(f'shard_map: mesh must be a jax.sharding.Mesh (or None for the mesh set with jax.set_mesh), got {mesh!r}')
-  config = (
-    mesh, _hashable(in_specs), _hashable(out_specs),
-    Rules.parse(state_in_specs, 'state_in_specs'), Rules.parse(state_out_specs, 'state_out_specs'),
-    frozenset(axis_names), check_vma,
+  config = ShardMapConfig(
+    mesh=mesh, in_specs=_hashable(in_specs), out_specs=_hashable(out_specs),
+    state_in=Rules.parse(state_in_specs, 'state_in_specs'), state_out=Rules.parse(state_out_specs, 'state_out_specs'),
+    axis_names=frozenset(axis_names), check_vma=check_vma,
   )
 
   @functools.wraps(f)
   def sharded(*args, **kwargs):
     if eager():
-      _lay_out_read(f, args, kwargs, mesh, config[3])
-    return run(_shard_map_impl, (f,), config, args, kwargs, compile_first=True)
+      _lay_out_read(f, args, kwargs, mesh, config.state_in)
+    return call(_shard_map_impl, config, (f,), args, kwargs, compile_first=True)
 
   return sharded
 
@@ -125,10 +141,11 @@ def _hashable(specs):
   return tuple(_hashable(s) for s in specs) if isinstance(specs, list) else specs
 
 
-def _shard_map_impl(f, *rest, **kwargs):
-  *args, mesh, in_specs, out_specs, state_in, state_out, axis_names, check_vma = rest
-  call = CallArgs.split(tuple(args), kwargs)
-  if any(k is not ArgKind.STATIC and k is not ArgKind.REF for k in call.kinds[call.n_args:]):
+def _shard_map_impl(config: ShardMapConfig, roots: tuple, *args, **kwargs):
+  (f,), mesh, in_specs, out_specs = roots, config.mesh, config.in_specs, config.out_specs
+  state_in, state_out = config.state_in, config.state_out
+  arguments = CallArgs.split(args, kwargs)
+  if any(k is not ArgKind.STATIC and k is not ArgKind.REF for k in arguments.kinds[arguments.n_args:]):
     raise TypeError(
       'shard_map: in_specs refer to positional arguments; pass array arguments positionally '
       '(graph nodes may be passed by keyword)'
@@ -136,14 +153,14 @@ def _shard_map_impl(f, *rest, **kwargs):
   mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
   if mesh.empty:
     raise ValueError('shard_map: no mesh: pass mesh=... or call inside `with jax.set_mesh(mesh):`')
-  stateful = StatefulCall.enter(f, tuple(args), kwargs, name='shard_map')
+  stateful = StatefulCall.enter(f, args, kwargs, name='shard_map')
   disc = stateful.disc
   specs_in = state_in.specs(disc, _REPLICATED)
   specs_out = tuple(o if o is not None else i for o, i in zip(state_out.specs(disc, None), specs_in))
   mesh_shape = dict(mesh.shape)
   for i, spec_in in enumerate(specs_in):
     check_divides(disc, i, spec_in, mesh_shape, 'shard_map: state_in_specs')
-  dyn_specs = arg_specs(call, in_specs, 'shard_map: in_specs', default=_REPLICATED)
+  dyn_specs = arg_specs(arguments, in_specs, 'shard_map: in_specs', default=_REPLICATED)
   # The Variables' out specs, filled in by the trace: ``state_out_specs`` applies to the written
   # ones only, and jax.shard_map reads its out_specs once the function has returned (they are
   # a prefix of its output).
@@ -170,7 +187,7 @@ def _shard_map_impl(f, *rest, **kwargs):
   with stateful.rolling_back():
     now, out = jax.shard_map(
       per_shard, mesh=mesh, in_specs=(list(specs_in), dyn_specs), out_specs=(var_out_specs, out_specs),
-      axis_names=axis_names, check_vma=check_vma,
-    )(values, tuple(call.dyn))
+      axis_names=config.axis_names, check_vma=config.check_vma,
+    )(values, tuple(arguments.dyn))
     stateful.write_back([now[i] for i in stateful.written])
   return out

@@ -37,21 +37,23 @@ from flax import nnx
 
 from brainnx import _compat
 from brainnx._engine.arguments import ArgKind, CallArgs, StaticArgs
-from brainnx._engine.discovery import LIBRARY_DIRS, Discovery, RootKind, is_graph_node, key_name
+from brainnx._engine.discovery import Discovery
+from brainnx._engine.nodes import is_graph_node, key_name, LIBRARY_DIRS
+from brainnx._engine.roots import RootKind
 from brainnx._engine.discovery import discover
-from brainnx._engine.eager import eager, run
+from brainnx._engine.eager import eager, program
+from brainnx._engine.config import Config
 from brainnx._engine.errors import BatchAxisError
 from brainnx._engine.filters import AxisRules, mark_stacked, types_code
 from brainnx._engine.jitted import JitOptions
 from brainnx._engine.outputs import Leaf, New, OutSpec
+from brainnx._engine.sentinels import ONCE
 from brainnx._engine.rng import advanced_count, split_per_element
 from brainnx._engine.call import Record, StatefulCall
-from brainnx._engine.state import finish_call, read_values, write_values
+from brainnx._engine.state import finish_call, read_values
 from brainnx._engine.structure import Attachments
 from brainnx._engine.errors import check_callable
 from brainnx._transforms import vmap_checks
-
-__all__ = ['vmap', 'vmap_new_states', 'MappedFunction', 'MapConfig', 'Mapper', 'Policy']
 
 
 class Mapper(enum.Enum):
@@ -78,19 +80,10 @@ class Policy(enum.Enum):
       ) from None
 
 
-class _Once:
-  """Placement of a value that is the same for every element: written once, unbatched."""
-
-  def __repr__(self) -> str:
-    return 'ONCE'
-
-
-ONCE = _Once()
-
-
 @dataclasses.dataclass(frozen=True)
-class MapConfig:
-  """Everything a mapping transform was configured with."""
+class VmapConfig(Config):
+  """Everything a mapping transform (``vmap``, ``vmap_new_states``, ``pmap``) was configured
+  with; ``name`` is its mapper's (``vmap`` or ``pmap``), which errors use."""
 
   fn: Callable | None
   in_axes: Any = 0
@@ -110,34 +103,33 @@ class MapConfig:
   donate_argnums: tuple = ()  # pmap's donate_argnums
   partition_name: Hashable | None = None  # the mesh axis of the stacked axis in sharding metadata
 
-  @property
-  def name(self) -> str:
-    return self.mapper.value
-
 
 class MappedFunction:
-  """The callable ``vmap`` / ``pmap`` / ``vmap_new_states`` return."""
+  """The callable ``vmap`` / ``pmap`` / ``vmap_new_states`` return; it keeps its compiled
+  program (made at the first eager call) on itself."""
 
-  def __init__(self, config: MapConfig):
+  def __init__(self, config: VmapConfig):
     self.config = config
     functools.update_wrapper(self, config.fn, updated=())
     self.__wrapped__ = config.fn
-    self._options = JitOptions(statics=config.statics, donate_argnums=config.donate_argnums)
-
-  def _traced(self, *args, **kwargs):
-    return mapped_call(self.config, args, kwargs)
+    self._program = None
 
   def __call__(self, *args, **kwargs):
+    if not eager():
+      return mapped_call(self.config, args, kwargs)
+    if self._program is None:
+      options = JitOptions(statics=self.config.statics, donate_argnums=self.config.donate_argnums)
+      self._program = program(_mapped_impl, self.config, (self,), options=options)
     try:
-      return run(MappedFunction._traced, (self,), (), args, kwargs, options=self._options)
+      return self._program(*args, **kwargs)
     except ValueError as e:
-      if self.config.mapper is not Mapper.PMAP or not eager() or 'incompatible devices' not in str(e):
+      if self.config.mapper is not Mapper.PMAP or 'incompatible devices' not in str(e):
         raise
     # jax.pmap takes inputs committed to other devices (a counter a 2-device pmap wrote, now read
     # by a 4-device one), where the compiled program around it cannot: move them, as pmap would
     _uncommit(discover(self.config.fn, args, kwargs).variables)
     args, kwargs = jax.tree.map(_uncommitted, (args, kwargs))
-    return run(MappedFunction._traced, (self,), (), args, kwargs, options=self._options)
+    return self._program(*args, **kwargs)
 
   def __get__(self, obj, objtype=None):
     """Decorating a method: ``self`` is bound as the first argument, as for a function."""
@@ -145,6 +137,10 @@ class MappedFunction:
 
   def __repr__(self) -> str:
     return f'brainnx.{self.config.name}({getattr(self.config.fn, "__name__", self.config.fn)!r})'
+
+
+def _mapped_impl(config: VmapConfig, roots: tuple, *args, **kwargs):
+  return mapped_call(config, args, kwargs)
 
 
 # -- axes of arguments ---------------------------------------------------------------
@@ -223,7 +219,7 @@ class _Layout:
   size: int
 
 
-def _layout(cfg: MapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs: dict) -> _Layout:
+def _layout(cfg: VmapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs: dict) -> _Layout:
   arg_axes = _positional_axes(cfg.in_axes, len(args))
   values = read_values(disc.variables)
   vmap_checks.check_rules_reach(cfg.name, cfg.state_in, list(zip(disc.paths, disc.variables)), 'the function reaches')
@@ -355,7 +351,7 @@ def _layout(cfg: MapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs
   return _Layout(axes, split, tuple(dyn_axes), distinct[0])
 
 
-def _check_node_aliases(cfg: MapConfig, args: tuple, kwargs: dict, arg_axes: list) -> None:
+def _check_node_aliases(cfg: VmapConfig, args: tuple, kwargs: dict, arg_axes: list) -> None:
   """One graph node (a Module, Rngs) passed through two arguments with different batch axes:
   ``BatchAxisError`` naming both paths, whether or not the function reads it (as ``nnx.vmap``'s
   "inconsistent aliasing"). Variables ``state_in_axes`` matches take its axis either way."""
@@ -387,7 +383,7 @@ def _check_node_aliases(cfg: MapConfig, args: tuple, kwargs: dict, arg_axes: lis
           )
 
 
-def _decide(cfg: MapConfig, disc: Discovery, i: int, in_axis, batched: bool):
+def _decide(cfg: VmapConfig, disc: Discovery, i: int, in_axis, batched: bool):
   """Where a written Variable's new value goes: an int axis, or ``ONCE``."""
   path, var = disc.paths[i], disc.variables[i]
   hit, out_axis = cfg.state_out.axis_of(path, var)
@@ -463,7 +459,7 @@ def _one_of_zeros(tree, axes):
   return [jax.tree.map(lambda x, a=a: grow(x, a), t) for t, a in zip(tree, axes)]
 
 
-def _out_leaf_axes(cfg: MapConfig, spec) -> list:
+def _out_leaf_axes(cfg: VmapConfig, spec) -> list:
   """The out-axis of every output leaf; a Module created inside takes ``out_axes``, except
   Variables of it that ``state_out_axes`` places (``None``: one shared copy)."""
   markers = jax.tree.unflatten(spec.treedef, list(range(spec.treedef.num_leaves)))
@@ -480,7 +476,7 @@ def _out_leaf_axes(cfg: MapConfig, spec) -> list:
   return axes
 
 
-def _check_unbatched_outputs(cfg: MapConfig, spec, leaves: list, axes: list, batched) -> None:
+def _check_unbatched_outputs(cfg: VmapConfig, spec, leaves: list, axes: list, batched) -> None:
   """An output placed unbatched (``out_axes=None``, or ``state_out_axes=None`` for a Variable of
   a Module created inside) that depends on the batch: ``BatchAxisError`` naming the Variable, or
   ``ValueError`` for a plain output."""
@@ -510,7 +506,7 @@ def _created_type(graphdef) -> str:
   return root_type.__name__ if isinstance(root_type, type) else 'Module'
 
 
-def _warn_identical_members(cfg: MapConfig, spec, leaves: list, axes: list, batched) -> None:
+def _warn_identical_members(cfg: VmapConfig, spec, leaves: list, axes: list, batched) -> None:
   """Warn when no Param of a Module created inside depends on the batch: every member of the
   stack would be the same (an ``nnx.Rngs`` made inside the mapped function)."""
   it = iter(zip(leaves, axes))
@@ -549,7 +545,7 @@ class _Decisions:
   out_axes: list  # per output leaf
 
 
-def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
+def mapped_call(cfg: VmapConfig, args: tuple, kwargs: dict):
   """One mapped call inside the current trace (see module docstring)."""
   stateful = StatefulCall.enter(cfg.fn, args, kwargs, name=cfg.name, statics=cfg.statics, creates='keep')
   disc, values = stateful.disc, stateful.values
@@ -632,7 +628,7 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
     new_now = [place(v, a) for v, a in zip(new_vals, decided.new_placement)]
     leaves = [place(x, ONCE if a is None else a) for x, a in zip(out_leaves, decided.out_axes)]
     streams = [c for _, c in layout.split_streams]
-    write_values(disc, decided.written + streams, written_now + [advanced_count(values[c]) for c in streams])
+    stateful.write_back(written_now + [advanced_count(values[c]) for c in streams], indices=decided.written + streams)
   result, attached = finish_call(disc, decided.attachments, new_now, decided.out_spec, leaves)
   if cfg.new_states and cfg.state_tag is not None:
     for v, axis in zip(attached, decided.new_placement):
@@ -642,7 +638,7 @@ def mapped_call(cfg: MapConfig, args: tuple, kwargs: dict):
   return result
 
 
-def _check_out_rules(cfg: MapConfig, disc: Discovery, decided: '_Decisions') -> None:
+def _check_out_rules(cfg: VmapConfig, disc: Discovery, decided: '_Decisions') -> None:
   """Every ``state_out_axes`` entry must match a Variable reached, created or returned."""
   named = list(zip(disc.paths, disc.variables)) + [((), v) for v in decided.attachments.stand_ins]
   for slot in decided.out_spec.new_nodes():
@@ -650,7 +646,7 @@ def _check_out_rules(cfg: MapConfig, disc: Discovery, decided: '_Decisions') -> 
   vmap_checks.check_rules_reach(cfg.name, cfg.state_out, named, 'the function reaches or creates')
 
 
-def _mark_stacked(cfg: MapConfig, decided: '_Decisions', result, size: int, attached: list) -> None:
+def _mark_stacked(cfg: VmapConfig, decided: '_Decisions', result, size: int, attached: list) -> None:
   """Record the batch axis on every Variable this call built stacked: those of Modules created
   inside and returned, and those created inside that come out batched (``vmap_new_states``)."""
   vmap_checks.mark_results(decided.out_spec, result, decided.out_axes, size, cfg.partition_name)
@@ -661,7 +657,7 @@ def _mark_stacked(cfg: MapConfig, decided: '_Decisions', result, size: int, atta
       mark_stacked(v, axis, size, cfg.partition_name)
 
 
-def _new_var_axis(cfg: MapConfig, variable, batched: bool):
+def _new_var_axis(cfg: VmapConfig, variable, batched: bool):
   """Where a Variable created inside the call goes: ``state_out_axes`` first, as for others."""
   hit, axis = cfg.state_out.axis_of((), variable)
   if hit:
@@ -689,7 +685,7 @@ def _new_var_axis(cfg: MapConfig, variable, batched: bool):
   return 0
 
 
-def _vmap_of(cfg: MapConfig, layout: _Layout, body, out_axes=0):
+def _vmap_of(cfg: VmapConfig, layout: _Layout, body, out_axes=0):
   return jax.vmap(
     body,
     in_axes=(layout.state_axes, layout.dyn_axes),
@@ -700,7 +696,7 @@ def _vmap_of(cfg: MapConfig, layout: _Layout, body, out_axes=0):
   )
 
 
-def _pmap_of(cfg: MapConfig, layout: _Layout, body):
+def _pmap_of(cfg: VmapConfig, layout: _Layout, body):
   return jax.pmap(
     body,
     axis_name=cfg.axis_name,
@@ -724,11 +720,12 @@ def _partition_name(transform_metadata, name: str):
   return transform_metadata.get(nnx.PARTITION_NAME)
 
 
-def map_config(name: str, *, state_in_axes, state_out_axes, unexpected_out_state_mapping, **fields) -> MapConfig:
-  """A ``MapConfig`` from mapping transform ``name``'s public keywords (rules and policy
+def vmap_config(name: str, *, state_in_axes, state_out_axes, unexpected_out_state_mapping, **fields) -> VmapConfig:
+  """A ``VmapConfig`` from mapping transform ``name``'s public keywords (rules and policy
   normalised; an ``nnx.StateAxes`` in ``in_axes`` becomes the ``state_in_axes`` entries it means)."""
   fields['in_axes'], from_in_axes = vmap_checks.split_state_axes(fields.get('in_axes', 0))
-  return MapConfig(
+  return VmapConfig(
+    name=fields.get('mapper', Mapper.VMAP).value,
     fn=None,
     state_in=from_in_axes + AxisRules(state_in_axes, 'state_in_axes', name),
     state_out=AxisRules(state_out_axes, 'state_out_axes', name),
@@ -737,7 +734,7 @@ def map_config(name: str, *, state_in_axes, state_out_axes, unexpected_out_state
   )
 
 
-def mapped(name: str, fn: Callable | None, config: MapConfig):
+def mapped(name: str, fn: Callable | None, config: VmapConfig):
   """A ``MappedFunction`` of ``fn`` with ``config``, or a decorator when ``fn`` is None."""
   if fn is None:
     return lambda f: mapped(name, f, config)
@@ -836,7 +833,7 @@ def vmap(
     >>> ensemble.kernel.shape
     (4, 2, 3)
   """
-  config = map_config(
+  config = vmap_config(
     'vmap',
     in_axes=in_axes,
     out_axes=out_axes,
@@ -925,7 +922,7 @@ def vmap_new_states(
   """
   if isinstance(axis_size, int) and axis_size <= 0:
     raise ValueError(f'vmap_new_states: axis_size must be positive, got {axis_size}')
-  config = map_config(
+  config = vmap_config(
     'vmap_new_states',
     in_axes=in_axes,
     out_axes=out_axes,

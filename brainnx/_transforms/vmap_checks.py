@@ -35,17 +35,13 @@ import numpy as np
 from flax import nnx
 
 from brainnx import _compat
-from brainnx._engine.discovery import Discovery, RootKind
+from brainnx._engine.discovery import Discovery
+from brainnx._engine.roots import RootKind
 from brainnx._engine.errors import BatchAxisError
 from brainnx._engine.outputs import Leaf, New, is_output_leaf
 from brainnx._engine.filters import (
   AxisRules, code, filter_code, mark_stacked, rules_code, stacked_of, stacks_exempt, types_code,
 )
-
-__all__ = [
-  'check_rules_reach', 'check_stacked_broadcast', 'mark_results', 'raise_clearer', 'split_state_axes',
-  'stacked_hint', 'state_axes_at',
-]
 
 
 def _listing(names: Sequence[str], most: int = 4) -> str:
