@@ -31,7 +31,7 @@ import _peers  # noqa: E402
 from _timing import first_calls, interleaved, table  # noqa: E402
 
 import brainnx as bnx  # noqa: E402
-from brainnx.demo import MLP, make_data  # noqa: E402
+from brainnx.examples.ensemble import MLP, make_data  # noqa: E402
 
 MEMBERS = 8
 TX = optax.adam(1e-3)

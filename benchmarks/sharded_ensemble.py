@@ -7,7 +7,7 @@ smoke run). On CPU the script makes 4 host devices
 imported unless ``XLA_FLAGS`` is already set); on an accelerator it uses the
 devices it finds and skips the device counts it does not have.
 
-The step: the demo's MLP 1 -> 64 -> 64 -> 1 (tanh, ``brainnx.demo.MLP``), its
+The step: the demo's MLP 1 -> 64 -> 64 -> 1 (tanh, ``brainnx.examples.ensemble.MLP``), its
 128 training points (``make_data``) shared by all members, optax.adam(1e-3),
 one optimizer per member, the members stacked on axis 0 and laid out over a
 1-D mesh ``'ens'`` of the first N devices (``P('ens')``: 64 / N members per
@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _timing import best_of, block
 
 import brainnx as bnx
-from brainnx.demo import MLP, make_data
+from brainnx.examples.ensemble import MLP, make_data
 
 MEMBERS, HIDDEN, POINTS = 64, 64, 128
 DEVICE_COUNTS = (1, 4)

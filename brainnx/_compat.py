@@ -30,6 +30,8 @@ from jax._src import traceback_util as _traceback_util
 from jax._src.interpreters import batching as _batching
 from jax._src.lax import lax as _jax_lax
 
+from brainnx._engine.slots import SlotAttributes, slot_names
+
 
 Tracer = _jax_core.Tracer
 
@@ -74,8 +76,17 @@ def set_raw_values(variables, values) -> None:
 # Variables' current values, so keeping it costs no memory. Writes that bypass flax
 # (``object.__setattr__`` on a Variable) are not seen.
 
-#: ``VALUE_WRITES[0]``: how many times a Variable's value was written.
-VALUE_WRITES = [0]
+class EditCount:
+  """A counter of edits, read by the caches to tell whether anything changed since they looked."""
+
+  __slots__ = ('n',)
+
+  def __init__(self):
+    self.n = 0
+
+
+#: How many times a Variable's value was written.
+VALUE_WRITES = EditCount()
 
 #: Per warm call (a key it chooses): ``(positions, values)``, where ``positions`` maps
 #: ``id(variable)`` to its index in ``values``, the list the call passed last.
@@ -91,7 +102,7 @@ def values_written(variable=None) -> None:
   ``variable`` gets its new value if that is a concrete array; otherwise, or with no
   ``variable`` (writes of many), every list is forgotten."""
   with KEPT_LOCK:
-    VALUE_WRITES[0] += 1
+    VALUE_WRITES.n += 1
     if not KEPT_VALUES:
       return
     if variable is None:
@@ -113,8 +124,8 @@ def _count_value_writes() -> None:
   from flax.nnx.transforms import compilation as _compilation
 
   def edited_metadata(variable) -> None:
-    PYTREE_EDITS[0] += 1
-    EDIT_LOG.append((PYTREE_EDITS[0], id(variable)))
+    PYTREE_EDITS.n += 1
+    EDIT_LOG.append((PYTREE_EDITS.n, id(variable)))
 
   def marked(counting: Callable, method: Callable) -> Callable:
     counting = functools.wraps(method)(counting)
@@ -164,73 +175,6 @@ def _count_value_writes() -> None:
 
 # -- attributes of graph nodes and plain objects --------------------------------
 
-class _LiveValues:
-  """The current values of an object's slot attributes, read on every iteration."""
-
-  __slots__ = ('obj', 'names')
-
-  def __init__(self, obj, names):
-    self.obj, self.names = obj, names
-
-  def __iter__(self):
-    return (getattr(self.obj, n, None) for n in self.names)
-
-  def __len__(self) -> int:
-    return len(self.names)
-
-
-class SlotAttributes(dict):
-  """A live dict over an object's ``__slots__`` attributes (a ``@dataclass(slots=True)``): reads
-  see the object's current attributes; writes and removals go to the object."""
-
-  def __init__(self, obj, names):
-    super().__init__((n, getattr(obj, n)) for n in names if hasattr(obj, n))
-    self._obj = obj
-
-  def _sync(self) -> None:
-    for name in list(dict.keys(self)):
-      dict.__setitem__(self, name, getattr(self._obj, name, None))
-
-  def __getitem__(self, name):
-    return getattr(self._obj, name)
-
-  def get(self, name, default=None):
-    return getattr(self._obj, name, default) if name in dict.keys(self) else default
-
-  def __setitem__(self, name, value) -> None:
-    setattr(self._obj, name, value)
-    dict.__setitem__(self, name, value)
-
-  def pop(self, name, *default):
-    if hasattr(self._obj, name):
-      delattr(self._obj, name)
-    return dict.pop(self, name, *default)
-
-  def values(self):
-    return _LiveValues(self._obj, tuple(dict.keys(self)))
-
-  def items(self):
-    self._sync()
-    return dict.items(self)
-
-  def __iter__(self):
-    return iter(dict.keys(self))
-
-  def copy(self) -> dict:
-    self._sync()
-    return dict(dict.items(self))
-
-
-def slot_names(cls: type) -> tuple[str, ...]:
-  """The ``__slots__`` attribute names of a class and its bases (none: it has a ``__dict__``)."""
-  names = []
-  for base in cls.__mro__:
-    slots = base.__dict__.get('__slots__', ())
-    for name in (slots,) if isinstance(slots, str) else slots:
-      if name not in ('__dict__', '__weakref__') and name not in names:
-        names.append(name)
-  return tuple(names)
-
 
 def attributes(obj) -> dict:
   """The live attribute dict of a Module, Pytree or plain object (a live view of its slots for
@@ -259,8 +203,8 @@ def restore_entries(current: dict, entries: dict, missing) -> None:
       else:
         current[key] = value
   finally:
-    PYTREE_EDITS[0] += 1
-    EDIT_LOG.append((PYTREE_EDITS[0], None))
+    PYTREE_EDITS.n += 1
+    EDIT_LOG.append((PYTREE_EDITS.n, None))
 
 
 # -- flax's graph split and merge with known objects ------------------------------------
@@ -299,9 +243,9 @@ def graph_unflatten(graphdef, values: list, index_ref) -> Any:
 # bumps one counter, and a guard compares the Pytree entries only when it moved. Writes
 # that bypass flax (``vars(module)[k] = v``, ``object.__setattr__``) are not counted.
 
-#: ``PYTREE_EDITS[0]``: how many times any flax Pytree's attributes (or a Variable's metadata,
+#: ``PYTREE_EDITS.n``: how many times any flax Pytree's attributes (or a Variable's metadata,
 #: through ``set_metadata``/``del_metadata``) were changed.
-PYTREE_EDITS = [0]
+PYTREE_EDITS = EditCount()
 
 #: The latest edits as ``(count after the edit, id of the edited Pytree or Variable)``; the id
 #: is ``None`` where the owner is unknown. A guard reads back to its last passing check and
@@ -318,8 +262,8 @@ def _counting(method: Callable) -> Callable:
     try:
       return method(*args, **kwargs)
     finally:  # after the edit: a guard that read the counter before it sees the move
-      PYTREE_EDITS[0] += 1
-      EDIT_LOG.append((PYTREE_EDITS[0], id(args[0])))
+      PYTREE_EDITS.n += 1
+      EDIT_LOG.append((PYTREE_EDITS.n, id(args[0])))
 
   counted.__wrapped_for_edits__ = method
   return counted

@@ -46,9 +46,7 @@ over every process's devices.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
-import os
 import signal
 import sys
 import threading
@@ -63,91 +61,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import brainnx as bnx
-
-DATA_RANGE = 4.0  # x ~ U[-DATA_RANGE, DATA_RANGE]
-GRID_RANGE = 6.0  # predictions on [-GRID_RANGE, GRID_RANGE]
-NOISE_STD = 3.0
-MIN_VARIANCE = 1e-6
-HIDDEN = 100
-LEARNING_RATE = 3e-3
-ADVERSARIAL_FRACTION = 0.01  # the paper's eps: 1% of the range of the training inputs
-
-
-class MLP(nnx.Module):
-  """1 -> ``hidden`` ReLU -> (mean, variance): the paper's toy network.
-
-  ``model(x)`` for ``x`` of shape ``(n, 1)`` is ``(n, 2)``: column 0 the mean,
-  column 1 the variance ``softplus(.) + 1e-6``. The hidden biases start
-  uniform in ``[-1, 1]``, so the ReLU kinks start spread over the inputs.
-  """
-
-  def __init__(self, hidden: int, *, rngs: nnx.Rngs):
-    spread = nnx.initializers.uniform(2.0)
-    self.l1 = nnx.Linear(1, hidden, bias_init=lambda k, s, d: spread(k, s, d) - 1.0, rngs=rngs)
-    self.l2 = nnx.Linear(hidden, 2, rngs=rngs)
-
-  def __call__(self, x):
-    out = self.l2(jax.nn.relu(self.l1(x)))
-    return jnp.concatenate([out[:, :1], jax.nn.softplus(out[:, 1:]) + MIN_VARIANCE], axis=-1)
-
-
-def target(x):
-  return x**3
-
-
-def make_data(seed: int, n: int = 20):
-  """``n`` noisy samples of ``x**3`` on ``[-4, 4]`` and a grid on ``[-6, 6]`` (shapes ``(n, 1)``, ``(241, 1)``)."""
-  kx, kn = jax.random.split(jax.random.key(seed))
-  x = jax.random.uniform(kx, (n, 1), minval=-DATA_RANGE, maxval=DATA_RANGE)
-  y = target(x) + NOISE_STD * jax.random.normal(kn, (n, 1))
-  grid = jnp.linspace(-GRID_RANGE, GRID_RANGE, 241)[:, None]
-  return x, y, grid
-
-
-def gaussian_nll(out, y):
-  """Mean negative log-likelihood of ``y`` under ``N(out[:, 0], out[:, 1])``, without the constant."""
-  mean, var = out[:, :1], out[:, 1:]
-  return (0.5 * jnp.log(var) + 0.5 * (y - mean) ** 2 / var).mean()
-
-
-def squared_error(out, y):
-  """Mean squared error of the predicted mean ``out[:, 0]`` (the variance column is unused)."""
-  return ((out[:, :1] - y) ** 2).mean()
-
-
-@dataclasses.dataclass(frozen=True)
-class Panel:
-  """One panel of Figure 1: its rows of the network stack and how they train."""
-
-  label: str
-  rows: slice
-  nll: bool  # trained on the Gaussian NLL; else on the squared error of the mean
-  adversarial: bool
-
-  @property
-  def size(self) -> int:
-    return self.rows.stop - self.rows.start
-
-  @property
-  def title(self) -> str:
-    who = f'Ensemble of {self.size}' if self.size > 1 else 'One network'
-    return f'{self.label} {who} ({"NLL" if self.nll else "MSE"}{" + adversarial" if self.adversarial else ""})'
-
-
-def figure_panels(members: int) -> tuple[Panel, ...]:
-  """The four panels of Figure 1 over a stack of ``2 * members + 2`` networks."""
-  m = members
-  return (Panel('(i)', slice(0, m), nll=False, adversarial=False),
-          Panel('(ii)', slice(m, m + 1), nll=True, adversarial=False),
-          Panel('(iii)', slice(m + 1, m + 2), nll=True, adversarial=True),
-          Panel('(iv)', slice(m + 2, 2 * m + 2), nll=True, adversarial=True))
-
-
-def roles(panels) -> tuple[np.ndarray, np.ndarray]:
-  """Per network of the stack: trained on the NLL? with the adversarial step? (two bool arrays)."""
-  nll = np.concatenate([np.full(p.size, p.nll) for p in panels])
-  adversarial = np.concatenate([np.full(p.size, p.adversarial) for p in panels])
-  return nll, adversarial
+from brainnx.examples.ensemble import (
+  ADVERSARIAL_FRACTION, HIDDEN, LEARNING_RATE, MLP, figure_panels, gaussian_nll, make_data, panel_reports, report_table,
+  roles, squared_error,
+)
+from brainnx.examples.ensemble_output import Checkpoints, check_writable, have_matplotlib, plot, resolve_out
 
 
 def build(networks: int, seed: int, hidden: int = HIDDEN, lr: float = LEARNING_RATE):
@@ -272,211 +190,9 @@ def train(members: int = 5, steps: int = 3000, seed: int = 0, adversarial: float
           'reports': reports, 'data': (x, y, grid)}
 
 
-# ------------------------------------------------------------------ predictions
-
-
 def predict(ensemble, grid) -> np.ndarray:
   """Every network's (mean, variance) on ``grid``: shape ``(networks, len(grid), 2)``."""
   return to_host(bnx.vmap(lambda m, g: m(g), in_axes=(0, None))(ensemble, grid))
-
-
-def mixture(preds: np.ndarray):
-  """Mean and std of the uniform mixture of the members' Gaussians (the paper's ensemble prediction)."""
-  means, variances = preds[..., 0], preds[..., 1]
-  mean = means.mean(0)
-  variance = (variances + means**2).mean(0) - mean**2
-  return mean, np.sqrt(np.maximum(variance, 0.0))
-
-
-def panel_prediction(panel: Panel, preds: np.ndarray):
-  """A panel's predictive mean and std on the grid: the mixture of its networks' Gaussians, or for
-  networks trained on the squared error, the mean and spread (std) of their means."""
-  rows = preds[panel.rows]
-  if panel.nll:
-    return mixture(rows)
-  return rows[..., 0].mean(0), rows[..., 0].std(0)
-
-
-def std_report(grid, mean, std) -> dict:
-  """The predictive std inside the data (``|x| <= 4``) and its ratio on each side outside it
-  (``x < -4``, ``x > 4``); the share of the whole grid where ``x**3`` is within ± 3 std; the RMSE
-  of the mean against ``x**3`` inside the data."""
-  g = np.asarray(grid)[:, 0]
-  inside = np.abs(g) <= DATA_RANGE
-  std_inside = float(std[inside].mean())
-  left, right = float(std[g < -DATA_RANGE].mean()), float(std[g > DATA_RANGE].mean())
-  return {'std_inside': std_inside, 'std_left': left, 'std_right': right,
-          'ratio_left': left / std_inside, 'ratio_right': right / std_inside,
-          'covered': float((np.abs(target(g) - mean) <= 3 * std).mean()),
-          'rmse_inside': float(np.sqrt(((mean - target(g))[inside] ** 2).mean()))}
-
-
-def panel_reports(panels, preds: np.ndarray, grid) -> list[dict]:
-  """``std_report`` of every panel's prediction on ``grid``."""
-  return [std_report(grid, *panel_prediction(panel, preds)) for panel in panels]
-
-
-def report_table(panels, reports, last_losses) -> str:
-  """The per-panel table the run prints (one line per panel)."""
-  lines = [f'{"panel":<40}{"loss":>8}{"std |x|<=4":>12}{"x<-4":>6}{"x>4":>6}{"x^3 in ±3 std":>15}']
-  for panel, r in zip(panels, reports):
-    loss = float(np.mean(last_losses[panel.rows]))
-    lines.append(f'{panel.title:<40}{loss:>8.3f}{r["std_inside"]:>12.2f}{r["ratio_left"]:>5.1f}x'
-                 f'{r["ratio_right"]:>5.1f}x{r["covered"]:>15.0%}')
-  lines.append('loss: at the last step, mean over the panel\'s networks; std: the predictive std inside\n'
-               'the data and its ratio on each side outside it; the last column is a share of [-6, 6]')
-  return '\n'.join(lines)
-
-
-# ------------------------------------------------------------------ checkpoints
-
-
-class Checkpoints:
-  """Orbax checkpoints of ``{'model', 'optimizers', 'record'}`` plus the run's settings.
-
-  Each checkpoint is a step folder of ``directory`` (the latest two are kept);
-  ``record`` is fixed-size (``first``, ``last``: each network's first and latest
-  loss), so every save writes the same number of bytes. The losses of every
-  step go to ``directory/losses.f32`` (float32, ``networks`` per step),
-  appended once per chunk. ``restore`` loads into the given (freshly built)
-  ensemble and optimizers with ``nnx.update``, so the Variables keep their
-  identity.
-  """
-
-  def __init__(self, directory: Path, settings: dict, networks: int):
-    import orbax.checkpoint as ocp  # imported here: only runs that checkpoint pay for it
-
-    self._ocp = ocp
-    self.settings = settings
-    self.networks = networks
-    self.directory = Path(directory).absolute()
-    self.manager = ocp.CheckpointManager(
-      self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
-    )
-    self.log = self.directory / 'losses.f32'
-
-  def latest_step(self):
-    return self.manager.latest_step()
-
-  def saved_settings(self, step: int) -> dict:
-    ocp = self._ocp
-    return dict(self.manager.restore(step, args=ocp.args.Composite(settings=ocp.args.JsonRestore())).settings)
-
-  def append_losses(self, losses: np.ndarray) -> None:
-    with open(self.log, 'ab') as f:
-      f.write(np.asarray(losses, '<f4').tobytes())
-
-  def save(self, step: int, ensemble, optimizers, record: dict) -> None:
-    ocp = self._ocp
-    state = {'model': nnx.state(ensemble), 'optimizers': nnx.state(optimizers), 'record': record}
-    self.manager.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state), settings=ocp.args.JsonSave(self.settings)))
-    self.manager.wait_until_finished()
-
-  def restore(self, step: int, ensemble, optimizers) -> dict:
-    ocp = self._ocp
-    record = {'first': np.zeros(self.networks, np.float32), 'last': np.zeros(self.networks, np.float32)}
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {
-      'model': nnx.state(ensemble), 'optimizers': nnx.state(optimizers), 'record': record})
-    state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))).state
-    nnx.update(ensemble, state['model'])
-    nnx.update(optimizers, state['optimizers'])
-    # a run stopped between appending a chunk's losses and saving its checkpoint logged steps
-    # that the checkpoint does not hold: they are trained again, so drop them from the log
-    keep = step * self.networks * 4
-    if self.log.exists() and self.log.stat().st_size > keep:
-      os.truncate(self.log, keep)
-    return {k: np.asarray(v) for k, v in state['record'].items()}
-
-  def losses(self, step: int) -> np.ndarray:
-    """The logged losses of steps ``1..step``, shape ``(step, networks)`` (NaN where the log lacks them)."""
-    members = self.networks
-    logged = np.fromfile(self.log, '<f4') if self.log.exists() else np.zeros(0, np.float32)
-    out = np.full(step * members, np.nan, np.float32)
-    out[: min(len(logged), len(out))] = logged[: len(out)]
-    return out.reshape(step, members)
-
-  def close(self) -> None:
-    self.manager.close()
-
-
-# ------------------------------------------------------------------ plot
-
-
-IMAGE_SUFFIXES = ('.png', '.pdf', '.svg', '.jpg', '.jpeg')
-
-
-def resolve_out(out: str) -> Path:
-  """``--out``: an image path (``.png``, ``.pdf``, ``.svg``, ``.jpg``) or a directory for ``ensemble.png``.
-
-  Raises:
-    ValueError: if ``out`` is not an existing directory, does not end with ``/``, and its suffix is
-      not one of those image types (``x.gif`` would otherwise become a directory).
-  """
-  path = Path(out)
-  if path.is_dir() or out.endswith(('/', os.sep)) or not path.suffix:
-    return path / 'ensemble.png'
-  if path.suffix.lower() in IMAGE_SUFFIXES:
-    return path
-  raise ValueError(
-    f'--out {out}: {path.suffix!r} is not an image type the demo writes ({", ".join(IMAGE_SUFFIXES)}); '
-    f'give an image path such as {path.with_suffix(".png")}, or a directory (end it with "/" if its name has a dot)'
-  )
-
-
-def _check_writable(png: Path, out: str, parser) -> None:
-  """Create ``png``'s missing parent directories and check that the plot can be written there,
-  as an argparse error (exit 2) naming ``--out``."""
-  try:
-    png.parent.mkdir(parents=True, exist_ok=True)
-  except OSError as e:
-    parser.error(f'--out {out}: cannot create the directory {png.parent} ({e.strerror})')
-  if not os.access(png.parent, os.W_OK) or (png.exists() and not os.access(png, os.W_OK)):
-    parser.error(f'--out {out}: {png if png.exists() else png.parent} is not writable')
-
-
-def plot(path: Path, panels, preds: np.ndarray, data) -> None:
-  """The four panels side by side, as the paper's Figure 1: data, truth, each network's mean, and
-  the panel's predictive mean ± 3 std."""
-  import matplotlib
-
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
-
-  x, y, grid = (np.asarray(a) for a in data)
-  g = grid[:, 0]
-  fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), sharey=True)
-  for ax, panel in zip(axes, panels):
-    mean, std = panel_prediction(panel, preds)
-    report = std_report(grid, mean, std)
-    ax.axvspan(-GRID_RANGE, -DATA_RANGE, color='0.93', lw=0)
-    ax.axvspan(DATA_RANGE, GRID_RANGE, color='0.93', lw=0, label='no data')
-    ax.fill_between(g, mean - 3 * std, mean + 3 * std, color='tab:grey', alpha=0.35, label='mean ± 3 std')
-    if panel.size > 1:
-      for k, p in enumerate(preds[panel.rows, :, 0]):
-        ax.plot(g, p, color='tab:red', alpha=0.3, lw=0.8, label='network means' if k == 0 else None)
-    ax.plot(g, mean, color='tab:red', lw=2, label='predictive mean')
-    ax.plot(g, target(g), color='tab:blue', lw=1.5, label='$y = x^3$')
-    ax.scatter(x[:, 0], y[:, 0], s=12, color='black', zorder=3, label='data (20 points)')
-    ax.set_xlim(-GRID_RANGE, GRID_RANGE)
-    ax.set_ylim(-300, 300)
-    ax.set_xlabel('x')
-    ax.set_title(f'{panel.title}\nstd outside / inside: left {report["ratio_left"]:.1f}x, '
-                 f'right {report["ratio_right"]:.1f}x', fontsize=9)
-  axes[0].set_ylabel('y')
-  axes[0].legend(loc='upper left', fontsize=7)
-  fig.tight_layout()
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
-
-
-def _have_matplotlib() -> bool:
-  try:
-    import matplotlib  # noqa: F401
-  except ImportError:
-    return False
-  return True
 
 
 # ------------------------------------------------------------------ command line
@@ -627,8 +343,8 @@ def main(argv=None) -> dict:
       png = resolve_out(args.out)
     except ValueError as e:
       parser.error(str(e))
-    _check_writable(png, args.out, parser)  # before training, not after: a bad path loses nothing
-  if png is not None and not _have_matplotlib():
+    check_writable(png, args.out, parser)  # before training, not after: a bad path loses nothing
+  if png is not None and not have_matplotlib():
     print('matplotlib is not installed, so no plot will be written '
           "(pip install matplotlib, or pip install 'brainnx[plot]'; --no-plot silences this)", file=sys.stderr)
     png = None

@@ -119,16 +119,17 @@ def demo_training_in_plain_jax(members: int, seed: int, steps: int):
   import optax
 
   from brainnx import demo
+  from brainnx.examples import ensemble as problem
 
-  x, y, _ = demo.make_data(seed)
+  x, y, _ = problem.make_data(seed)
   ensemble, _ = demo.build(2 * members + 2, seed)
   stacked = nnx.to_pure_dict(nnx.state(ensemble, nnx.Param))
-  tx = optax.adam(demo.LEARNING_RATE)
-  eps = demo.ADVERSARIAL_FRACTION * float(x.max() - x.min())
+  tx = optax.adam(problem.LEARNING_RATE)
+  eps = problem.ADVERSARIAL_FRACTION * float(x.max() - x.min())
 
   def loss(params, x, nll):
     out = mlp_pure(params, x)
-    mean, var = out[:, :1], jax.nn.softplus(out[:, 1:]) + demo.MIN_VARIANCE
+    mean, var = out[:, :1], jax.nn.softplus(out[:, 1:]) + problem.MIN_VARIANCE
     if nll:
       return jnp.mean(0.5 * jnp.log(var) + 0.5 * (y - mean) ** 2 / var)
     return jnp.mean((y - mean) ** 2)
@@ -146,7 +147,7 @@ def demo_training_in_plain_jax(members: int, seed: int, steps: int):
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, value
 
-  nll_rows, adversarial_rows = demo.roles(demo.figure_panels(members))
+  nll_rows, adversarial_rows = problem.roles(problem.figure_panels(members))
   losses, trained = [], []
   for k in range(2 * members + 2):
     params = jax.tree.map(lambda a: a[k], stacked)

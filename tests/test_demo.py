@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 from brainnx import demo
+from brainnx.examples import ensemble as problem
 from helpers import demo_training_in_plain_jax
 
 ENV = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
@@ -61,18 +62,18 @@ def test_the_ensemble_widens_outside_the_data_on_both_sides(seed):
 
 
 def test_data_and_predictive_mixture_follow_the_paper():
-  x, y, grid = demo.make_data(0)
+  x, y, grid = problem.make_data(0)
   assert x.shape == y.shape == (20, 1) and float(jnp.abs(x).max()) <= 4.0
   assert 1.5 < float(jnp.std(y - x**3)) < 4.5  # eps ~ N(0, 3^2)
   assert float(grid.min()) == -6.0 and float(grid.max()) == 6.0
   # mixture of two Gaussians N(0, 1) and N(2, 1): mean 1, variance 1 + 1 = 2
   preds = np.array([[[0.0, 1.0]], [[2.0, 1.0]]])
-  mean, std = demo.mixture(preds)
+  mean, std = problem.mixture(preds)
   np.testing.assert_allclose([mean[0], std[0]], [1.0, np.sqrt(2.0)])
-  panels = demo.figure_panels(3)
+  panels = problem.figure_panels(3)
   assert [(p.size, p.nll, p.adversarial) for p in panels] == [
     (3, False, False), (1, True, False), (1, True, True), (3, True, True)]
-  nll, adversarial = demo.roles(panels)
+  nll, adversarial = problem.roles(panels)
   assert nll.tolist() == [False] * 3 + [True] * 5 and adversarial.tolist() == [False] * 4 + [True] * 4
 
 
@@ -81,7 +82,7 @@ def test_first_step_losses_are_the_papers_losses_in_plain_jax(fraction):
   """Every panel's loss (squared error, NLL, NLL + fast gradient sign) at the first step, network
   by network, against the same loss written in plain jax on the demo's initial parameters."""
   members, seed = 2, 2
-  x, y, _ = demo.make_data(seed)
+  x, y, _ = problem.make_data(seed)
   ensemble, _ = demo.build(2 * members + 2, seed)
   stacked = nnx.to_pure_dict(nnx.state(ensemble, nnx.Param))
   flags = [] if fraction is None else ['--adversarial', fraction]

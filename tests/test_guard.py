@@ -127,9 +127,9 @@ def test_plain_containers_are_compared_on_every_call():
   f = bnx.jit(lambda x: x @ weights['w'][...])
   for _ in range(3):
     np.testing.assert_allclose(f(X), X @ jnp.ones((3, 2)), rtol=1e-6)
-  edits = _compat.PYTREE_EDITS[0]
+  edits = _compat.PYTREE_EDITS.n
   weights['w'] = nnx.Param(jnp.full((3, 2), 2.0))
-  assert _compat.PYTREE_EDITS[0] == edits  # no flax edit happened
+  assert _compat.PYTREE_EDITS.n == edits  # no flax edit happened
   np.testing.assert_allclose(f(X), X @ jnp.full((3, 2), 2.0), rtol=1e-6)
   np.testing.assert_allclose(f(X), X @ jnp.full((3, 2), 2.0), rtol=1e-6)
 
@@ -150,18 +150,18 @@ def test_plain_object_holding_module_is_compared_on_every_call():
 @pytest.mark.parametrize('edit', ['setattr', 'delattr', 'clear_init', 'setstate'])
 def test_every_flax_attribute_edit_is_counted(edit):
   model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
-  before = _compat.PYTREE_EDITS[0]
+  before = _compat.PYTREE_EDITS.n
   if edit == 'setattr':
     model.note = 'x'
   elif edit == 'delattr':
     model.note = 'x'
-    before = _compat.PYTREE_EDITS[0]
+    before = _compat.PYTREE_EDITS.n
     del model.note
   elif edit == 'clear_init':
     nnx.jit(lambda m: m.kernel.set_value(m.kernel[...] + 1))(model)
   else:
     model.__setstate__(model.__getstate__())
-  assert _compat.PYTREE_EDITS[0] > before
+  assert _compat.PYTREE_EDITS.n > before
 
 
 def test_user_module_classes_count_edits():

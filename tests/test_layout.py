@@ -133,3 +133,78 @@ def test_the_code_passes_ruff_with_the_projects_configuration():
   done = subprocess.run([shutil.which('ruff'), 'check', '--no-cache', 'brainnx', 'tests', 'benchmarks', *docs],
                         cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert done.returncode == 0, done.stdout + done.stderr
+
+
+# -- the package's own shape (the transform template) -----------------------------------------
+
+PACKAGE = ROOT / 'brainnx'
+MODULES = sorted(PACKAGE.rglob('*.py'))
+PRIVATE = [p for p in MODULES if any(part.startswith('_') and part != '__init__.py' for part in p.relative_to(PACKAGE).parts)]
+
+
+@pytest.mark.parametrize('path', MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_every_module_is_under_600_lines(path):
+  lines = len(path.read_text().splitlines())
+  assert lines < 600, f'{path.relative_to(ROOT)} has {lines} lines: split it along a seam'
+
+
+def _offences(text: str, pattern: str) -> list[int]:
+  return [k for k, line in enumerate(text.splitlines(), start=1) if re.search(pattern, line)]
+
+
+def test_transforms_write_variables_through_the_engine_only():
+  """A transform writes back through ``StatefulCall.write_back`` or ``LoopBody.write_back``."""
+  found = {p.name: _offences(p.read_text(), r'\b(write_values|adopt_new)\(') for p in (PACKAGE / '_transforms').glob('*.py')}
+  assert not any(found.values()), found
+
+
+def test_no_configuration_is_unpacked_from_the_end_of_the_arguments():
+  """A transform's settings travel in its Config, never as a tail of its positional arguments."""
+  found = {str(p.relative_to(PACKAGE)): _offences(p.read_text(), r'= rest$|= args\[-') for p in MODULES}
+  assert not any(found.values()), found
+
+
+def _private_imports(path: pathlib.Path) -> list[str]:
+  tree = ast.parse(path.read_text())
+  return [
+    f'{node.module}.{alias.name}'
+    for node in ast.walk(tree)
+    if isinstance(node, ast.ImportFrom) and (node.module or '').startswith('brainnx')
+    for alias in node.names
+    if alias.name.startswith('_') and not alias.name.startswith('__')
+    and node.module not in ('brainnx', 'brainnx._engine', 'brainnx._transforms')  # a module, not a name in one
+  ]
+
+
+@pytest.mark.parametrize('path', MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_imports_a_private_name_from_another(path):
+  """Names shared between files are public in the file that defines them (``_compat`` and the
+  private packages are imported as modules, never their underscored names)."""
+  assert not _private_imports(path), _private_imports(path)
+
+
+@pytest.mark.parametrize('path', PRIVATE, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_private_modules_have_no_all(path):
+  """``__all__`` belongs to the public package (``brainnx/__init__.py``), whose reference it is."""
+  assert not _offences(path.read_text(), r'^__all__\s*='), path
+
+
+def test_the_checks_of_the_package_shape_can_fail(tmp_path):
+  bad = tmp_path / 'bad.py'
+  bad.write_text('from brainnx._engine.state import _helper\n__all__ = ["x"]\n*args, name = rest\n')
+  assert _private_imports(bad) == ['brainnx._engine.state._helper']
+  assert _offences(bad.read_text(), r'^__all__\s*=') == [2]
+  assert _offences(bad.read_text(), r'= rest$|= args\[-') == [3]
+
+
+def test_every_mutant_of_the_mutation_run_applies_once():
+  """Each mutant's original text is found exactly once in its file (a refactor that moves or
+  rewrites the line must move the mutant with it, or the run silently tests nothing)."""
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location('mutation_run', TESTS / 'mutation' / 'run.py')
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  stale = [(m.name, m.file) for m in module.MUTANTS if (ROOT / m.file).read_text().count(m.old) != 1]
+  assert len(module.MUTANTS) >= 60 and not stale, stale

@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import brainnx as bnx
-from brainnx.demo import MIN_VARIANCE, MLP, make_data
+from brainnx.examples.ensemble import MIN_VARIANCE, MLP, make_data
 
 assert jax.device_count() >= 4, 'needs the 4 CPU devices that tests/conftest.py forces'
 

@@ -715,3 +715,16 @@ def test_one_variable_passed_twice_with_different_in_axes_is_refused_like_nnx_vm
     bnx.vmap(f, in_axes=(0, 1), axis_size=2)(v, v)
   with pytest.raises(bnx.BatchAxisError, match='is also reached as'):  # an argument and a closure
     bnx.vmap(lambda a: a[...] + v[...], in_axes=0)(v)
+
+
+@pytest.mark.parametrize('make, kind', [
+  (lambda: nnx.Linear(2, 3, rngs=nnx.Rngs(0)), 'Linear'),
+  (lambda: nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(1))), 'Sequential'),
+])
+def test_identical_members_warning_names_the_class_built(make, kind):
+  """Every member built from one Rngs made inside is the same: the warning says which class, and
+  the members are indeed equal (the oracle: member 0 against every other)."""
+  with pytest.warns(UserWarning, match=f'no Param of the {kind} created inside depends on the batch'):
+    stack = bnx.vmap(make, axis_size=3)()
+  for leaf in jax.tree.leaves(nnx.state(stack, nnx.Param)):
+    np.testing.assert_array_equal(leaf, jnp.broadcast_to(leaf[0], leaf.shape))

@@ -28,7 +28,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import jax
 
-from brainnx._engine.nodes import holds_graph_node, is_reference, static_key
+from brainnx._engine.nodes import holds_graph_node, is_int, is_reference, static_key
 
 
 class ArgKind(enum.Enum):
@@ -40,18 +40,14 @@ class ArgKind(enum.Enum):
   MIXED = 'mixed'  # a container of array data and references, flattened
 
 
-def _is_int(n) -> bool:
-  return isinstance(n, int) and not isinstance(n, bool)
-
-
 def _int_tuple(argnums, what: str) -> tuple[int, ...]:
   """``argnums`` (an int or a sequence of ints) as a tuple, else ``TypeError`` naming ``what``."""
-  if _is_int(argnums):
+  if is_int(argnums):
     return (argnums,)
   if isinstance(argnums, (str, bytes)) or not isinstance(argnums, (tuple, list, range)):
     raise TypeError(f'{what} must be an int or a sequence of ints, got {argnums!r} ({type(argnums).__name__})')
   for n in argnums:
-    if not _is_int(n):
+    if not is_int(n):
       raise TypeError(f'{what} must be an int or a sequence of ints, got {n!r} ({type(n).__name__}) in {argnums!r}')
   return tuple(argnums)
 
@@ -66,7 +62,7 @@ def check_argnums(argnums, name: str) -> tuple[tuple[int, ...] | None, bool]:
     argnums = int(argnums)
   elif isinstance(argnums, (tuple, list)):
     argnums = tuple(int(n) if isinstance(n, bool) else n for n in argnums)
-  return _int_tuple(argnums, f'{name}: argnums'), _is_int(argnums)
+  return _int_tuple(argnums, f'{name}: argnums'), is_int(argnums)
 
 
 def resolve_argnums(nums: tuple[int, ...], n_args: int, name: str) -> tuple[int, ...]:

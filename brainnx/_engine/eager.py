@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import types
-import weakref
 from typing import Any, Callable, Sequence
 
 import jax
@@ -38,7 +37,8 @@ import jax
 from brainnx import _compat
 from brainnx._engine.caches import WeakCache
 from brainnx._engine.config import Config
-from brainnx._engine.jitted import JitOptions, JittedFunction, weak_or_strong
+from brainnx._engine.jitted import JitOptions, JittedFunction
+from brainnx._engine.weak import weak_or_strong, weak_ref
 
 _PROGRAMS = WeakCache(512)
 
@@ -92,7 +92,7 @@ def program(impl: Callable, config: Config | None, roots: Sequence[Any], *, disc
   :func:`call` caches, and what a transform object keeps on itself."""
   # a one-off call never waits for XLA to compile the whole program
   options = dataclasses.replace(options, compile_on_reuse=not compile_first)
-  refs = tuple(_ref(o) for o in roots)
+  refs = tuple(weak_ref(o) for o in roots)
 
   def traced(*args, **kwargs):
     return impl(config, tuple(r() for r in refs), *args, **kwargs)
@@ -152,11 +152,3 @@ def _key_objects(obj) -> tuple:
   if isinstance(obj, types.MethodType):
     return (obj.__func__, obj.__self__)
   return (obj,)
-
-
-def _ref(obj):
-  if obj is None:
-    return lambda: None
-  if isinstance(obj, types.MethodType):
-    return weakref.WeakMethod(obj)
-  return weak_or_strong(obj)

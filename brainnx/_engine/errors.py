@@ -12,7 +12,10 @@ Example:
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
+
+from brainnx._engine.nodes import LIBRARY_DIRS
 
 
 class BatchAxisError(ValueError):
@@ -56,3 +59,11 @@ def check_callable(fun: Any, name: str) -> None:
       f'{name} needs a function that returns values, got the generator or coroutine function '
       f'{getattr(fun, "__qualname__", fun)!r}: JAX transforms cannot trace generators'
     )
+
+
+def user_stacklevel() -> int:
+  """The ``warnings.warn`` stacklevel of the first frame outside brainnx, jax and flax."""
+  frame, level = sys._getframe(1), 1
+  while frame is not None and frame.f_code.co_filename.startswith(LIBRARY_DIRS):
+    frame, level = frame.f_back, level + 1
+  return level

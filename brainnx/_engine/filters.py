@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from brainnx import _compat
+from brainnx._engine.nodes import is_int
 
 
 class _SameObject:
@@ -89,7 +90,7 @@ def to_filter(spec: Any):
 
 
 def _is_axis(x) -> bool:
-  return x is None or (isinstance(x, int) and not isinstance(x, bool))
+  return x is None or is_int(x)
 
 
 class AxisRules:

@@ -107,9 +107,9 @@ class Guard:
       for namespace, name, obj in namespaces:
         if namespace.get(name, MISSING) is not obj:
           return False
-      if edits[0] == seen[0]:
+      if edits.n == seen[0]:
         return check_uncounted is None or check_uncounted()
-      mark = edits[0]  # read before the check: an edit during it moves the count past mark
+      mark = edits.n  # read before the check: an edit during it moves the count past mark
       touched_nodes, touched_variables = edited_here(seen[0])
       check = check_all if touched_nodes else check_uncounted
       if check is not None and not check():

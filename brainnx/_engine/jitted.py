@@ -31,27 +31,25 @@ import dataclasses
 import functools
 import threading
 import weakref
-from typing import Any, Callable, NamedTuple
+from typing import Any
 
 import jax
 
 from brainnx import _compat
-from brainnx._engine.config import Config
-from brainnx._engine.sentinels import MISS, NOT_GIVEN
 from brainnx._engine.arguments import ArgKind, CallArgs, StaticArgs, normalize_argnums
 from brainnx._engine.caches import LRUCache
-from brainnx._engine.discovery import discover, Discovery
-from brainnx._engine.nodes import holds_graph_node
+from brainnx._engine.call import check_values
+from brainnx._engine.config import Config
+from brainnx._engine.discovery import Discovery, discover
 from brainnx._engine.filters import to_filter
 from brainnx._engine.outputs import Leaf, New
+from brainnx._engine.plan import CURRENT_PLAN, Packed, Plan, Written, complete_call
+from brainnx._engine.sentinels import MISS, NOT_GIVEN
 from brainnx._engine.sharding import Rules, arg_specs, constrain, layout_of, new_layout, place
-from brainnx._engine.call import check_values
-from brainnx._engine.state import STATE_CHANGES, read_values, set_values, write_values
+from brainnx._engine.state import read_values
 from brainnx._engine.stateful_function import StatefulFunction
 from brainnx._engine.tracing import Trace
 
-
-_FAST_DYN = (_compat.ArrayImpl, int, float, bool, complex)
 _compat.quiet_interrupted_callbacks()  # a Ctrl-C in a host callback is raised, not logged (see __call__)
 
 
@@ -77,190 +75,6 @@ class JitOptions(Config):
     return bool(self.state_shardings) or self.in_shardings is not NOT_GIVEN or self.out_shardings is not NOT_GIVEN
 
 
-class _Packed:
-  """Compiled output: its tree's static part carries the Trace that made it."""
-
-  __slots__ = ('written', 'new', 'out', 'trace')
-
-  def __init__(self, written, new, out, trace):
-    self.written, self.new, self.out, self.trace = written, new, out, trace
-
-
-jax.tree_util.register_pytree_node(
-  _Packed,
-  lambda p: ((p.written, p.new, p.out), p.trace),
-  lambda trace, children: _Packed(*children, trace),
-)
-
-
-class _Written(NamedTuple):
-  """Compiled output of a call that writes Variables (a namedtuple: flattened in C++)."""
-
-  written: dict  # discovery index -> new value
-  out: Any
-
-
-#: The plan of the call now entering ``jax.jit`` in this thread (a weak reference): ``_body``
-#: reads it when JAX traces. Every plan of one compiled program has the same discovery and
-#: call signature (the program is chosen by them), so any of them traces it the same way.
-_CURRENT = threading.local()
-
-
-class _Plan:
-  """Everything a warm call needs, for one set of reference arguments."""
-
-  def __init__(self, disc: Discovery, call: CallArgs, compiled, on_drop: Callable, donated: tuple = (),
-               layout: tuple = (), stateful_fun: StatefulFunction | None = None):
-    self.disc, self.compiled = disc, compiled
-    self.stateful_fun = stateful_fun  # what the program traces (its jax.jit holds no user function)
-    self.layout = layout  # per Variable: the Sharding it keeps (None: free), or () for none
-    self.donated = donated  # discovery indices whose buffers the program may reuse
-    self.kept = tuple(i for i in range(len(disc.variables)) if i not in set(donated))
-    self.call = dataclasses.replace(call, refs=())  # held weakly below
-    self.ref_refs = tuple(weak_or_strong(x, on_drop) for x in call.refs)
-    self.me = weakref.ref(self)
-    self.kept_lists = _compat.KEPT_VALUES  # held here: dropped plans may outlive the module at exit
-    self._positions = None
-    # a data attribute's array is written by plain setattr, which counts no value write
-    self.keeps_values = not any(type(v) is _compat.DataAttribute for v in disc.variables)
-    self.ran = False  # whether a call has run this plan (see JitOptions.compile_on_reuse)
-    self.variables = disc.variables
-    self.warm = _warm_call(self)
-
-  def positions(self) -> dict:
-    """``id(variable)`` -> its index in discovery order (made once, when a list is first kept)."""
-    if self._positions is None:
-      self._positions = {id(v): i for i, v in enumerate(self.variables)}
-    return self._positions
-
-  def live_call(self) -> CallArgs:
-    """The call with its reference arguments (alive while a call that passed them runs)."""
-    return dataclasses.replace(self.call, refs=tuple(r() for r in self.ref_refs))
-
-  def state(self) -> tuple:
-    """The program's state arguments: ``(values,)``, or ``(donated values, the others)``."""
-    values = read_values(self.variables)
-    if not self.donated:
-      return (values,)
-    return [values[i] for i in self.donated], [values[i] for i in self.kept]
-
-  def full_state(self, state_args) -> list:
-    """Every discovered Variable's value, in discovery order, from ``state()``'s arguments."""
-    if not self.donated:
-      return state_args[0]
-    full = [None] * len(self.variables)
-    for indices, values in zip((self.donated, self.kept), state_args):
-      for i, x in zip(indices, values):
-        full[i] = x
-    return full
-
-  def match(self, args: tuple, kwargs: dict):
-    """The dynamic values for this call if the plan applies, else ``None``."""
-    call = self.call
-    if call.has_mixed or len(args) != call.n_args or tuple(kwargs) != call.kw_names:
-      return None
-    if kwargs:
-      args = args + tuple(kwargs.values())
-    for s, ref in zip(call.slots_of(ArgKind.REF), self.ref_refs):
-      if args[s] is not ref():
-        return None
-    for s, value in call.statics:
-      if args[s] is not value and not (type(args[s]) is type(value) and args[s] == value):
-        return None
-    dyn = tuple([args[s] for s in call.slots_of(ArgKind.DYN)])
-    for x in dyn:
-      if type(x) not in _FAST_DYN and holds_graph_node(x):
-        return None
-    return dyn if self.disc.guard.ok() else None
-
-
-class _Strong:
-  """A strong stand-in for ``weakref.ref`` where an object cannot be weakly referenced."""
-
-  __slots__ = ('obj',)
-
-  def __init__(self, obj):
-    self.obj = obj
-
-  def __call__(self):
-    return self.obj
-
-
-def weak_or_strong(x, callback=None):
-  """``weakref.ref(x, callback)``, or a strong stand-in when ``x`` cannot be weakly referenced."""
-  try:
-    return weakref.ref(x, callback)
-  except TypeError:
-    return _Strong(x)
-
-
-def _warm_call(plan: _Plan):
-  """``warm(args, kwargs)``: the call if ``plan`` applies, else ``MISS``.
-
-  A closure over locals, specialised for the common shapes (dynamic
-  positional arguments only; references then dynamic arguments), because
-  every attribute lookup here is paid on every call.
-  """
-  guard, compiled, me, current = plan.disc.guard.ok, plan.compiled, plan.me, _CURRENT
-  fast_dyn, kept, fresh, write, finish = _FAST_DYN, _compat.KEPT_VALUES, _fresh_values, _write, _finish
-  call = plan.call
-  n = call.n_args
-
-  if not call.has_mixed and not call.kw_names and not call.statics and not plan.donated:
-    ref_pairs = tuple(zip(call.slots_of(ArgKind.REF), plan.ref_refs))
-    dyn_slots = call.slots_of(ArgKind.DYN)
-
-    def warm(args, kwargs):
-      if kwargs or len(args) != n:
-        return MISS
-      if ref_pairs:
-        for s, ref in ref_pairs:
-          if args[s] is not ref():
-            return MISS
-        args = tuple([args[s] for s in dyn_slots])
-      for x in args:
-        if type(x) not in fast_dyn and holds_graph_node(x):
-          return MISS
-      if not guard():
-        return MISS
-      # _complete, inlined: this is the whole cost of a warm call beyond JAX's
-      entry = kept.get(me)
-      values = fresh(plan) if entry is None else entry[1]
-      current.plan = me
-      result = compiled(values, *args)
-      kind = type(result)
-      if kind is _Written:
-        write(plan, result.written)
-        return result.out
-      if kind is _Packed:
-        return finish(plan, result)
-      return result
-
-    return warm
-
-  def warm_general(args, kwargs):
-    dyn = plan.match(args, kwargs)
-    if dyn is None:
-      return MISS
-    current.plan = me
-    return _complete(plan, compiled(*plan.state(), *dyn))
-
-  return warm_general
-
-
-def _fresh_values(plan: _Plan) -> list:
-  """The Variables' values as a warm call reads them when it kept none: kept for the next call
-  if no value was written meanwhile (see ``_compat.KEPT_VALUES``)."""
-  changes, writes = STATE_CHANGES, _compat.VALUE_WRITES
-  mark, begun = writes[0], changes[1]
-  if not changes[0]:
-    values = list(map(_compat.raw_value, plan.variables))
-    if changes[1] == begun and not changes[0]:  # no other thread's trace or write-back meanwhile
-      with _compat.KEPT_LOCK:
-        if writes[0] == mark and plan.keeps_values:
-          _compat.KEPT_VALUES[plan.me] = (plan.positions(), values)
-      return values
-  return read_values(plan.variables)
 
 
 def _raise_interrupt(error: BaseException) -> None:
@@ -269,7 +83,7 @@ def _raise_interrupt(error: BaseException) -> None:
     raise KeyboardInterrupt from None
 
 
-def _cold(args, kwargs):
+def _always_miss(args, kwargs):
   return MISS
 
 
@@ -295,7 +109,7 @@ class JittedFunction:
     self.stateful_fun = StatefulFunction(traced or fun, name=name or getattr(fun, '__name__', None), cache=traces)
     self.stateful_fun.statics = options.statics
     self._plans = LRUCache(16)
-    self._warm = _cold
+    self._warm = _always_miss
     self._lock = threading.Lock()
 
   # -- calling ----------------------------------------------------------------
@@ -317,7 +131,7 @@ class JittedFunction:
     once = self._options.compile_on_reuse and not plan.ran and not self._options.sharded
     try:
       with _compat.created_variables(log=False):  # orphans of the trace go back to this level
-        _CURRENT.plan = plan.me
+        CURRENT_PLAN.plan = plan.me
         run = plan.compiled.__wrapped__ if once else plan.compiled  # op by op: what jax.jit would compile
         result = run(*plan.state(), *dyn)
     except BaseException:
@@ -327,9 +141,9 @@ class JittedFunction:
     if disc.signature != signature:  # the trace rebound a captured counter (see Discovery.refresh_captured)
       with self._lock:
         self._compiled.set((disc.signature,) + plan.compiled_key[1:], plan.compiled)
-    return _complete(plan, result)
+    return complete_call(plan, result)
 
-  def _plan_for(self, args, kwargs) -> tuple[_Plan, tuple, Discovery]:
+  def _plan_for(self, args, kwargs) -> tuple[Plan, tuple, Discovery]:
     call = CallArgs.split(args, kwargs, self._options.statics)
     key = tuple(map(id, call.refs)) + (call.signature,)
     plan = self._plans.get(key)
@@ -344,7 +158,7 @@ class JittedFunction:
       place(disc, layout)
     donated = self._donated_states(disc, call)
     compiled = self._compiled_for(disc, call, donated, layout)
-    plan = _Plan(disc, call, compiled, _evictor(self, key), donated, layout, self.stateful_fun)
+    plan = Plan(disc, call, compiled, _evictor(self, key), donated, layout, self.stateful_fun)
     plan.compiled_key = (disc.signature, call.signature, donated, layout)
     self._plans.set(key, plan)
     self._warm = plan.warm
@@ -407,7 +221,7 @@ class JittedFunction:
           'metadata, and return arrays'
         )
       # None: the written Variables, laid out in _body
-      out['out_shardings'] = _Written(None, opts.out_shardings) if trace.written else opts.out_shardings
+      out['out_shardings'] = Written(None, opts.out_shardings) if trace.written else opts.out_shardings
     elif opts.state_shardings:
       new = self._new_shardings(disc, call)
       if new is not None:
@@ -427,7 +241,7 @@ class JittedFunction:
     new, leaves = _new_layouts(self._options.state_shardings, trace)
     if not any(s is not None for s in new + leaves):
       return None
-    return _Packed(None, new, leaves, trace)
+    return Packed(None, new, leaves, trace)
 
   def _drop_plan(self, key) -> None:
     plan = self._plans.get(key)
@@ -435,7 +249,7 @@ class JittedFunction:
     if plan is not None:
       plan.kept_lists.pop(plan.me, None)
       if self._warm is plan.warm:
-        self._warm = _cold
+        self._warm = _always_miss
 
   def cache_sizes(self) -> dict:
     """Sizes of the plan, compiled-program and trace caches (all bounded)."""
@@ -449,7 +263,7 @@ class JittedFunction:
     """The traced program for these arguments (``jax.jit(...).trace``); ``.lower()`` gives
     :meth:`lower`'s result, ``.jaxpr`` the program."""
     plan, dyn, _ = self._plan_for(args, kwargs)
-    _CURRENT.plan = plan.me
+    CURRENT_PLAN.plan = plan.me
     return Traced(self, plan.compiled.trace(*plan.state(), *dyn))
 
   def lower(self, *args, **kwargs) -> 'Lowered':
@@ -463,7 +277,7 @@ class JittedFunction:
       self._compiled.clear()
     self._plans.clear()
     _compat.KEPT_VALUES.clear()  # other functions' lists too: they are read again next call
-    self._warm = _cold
+    self._warm = _always_miss
     self.stateful_fun.clear_cache()
 
   def __repr__(self) -> str:
@@ -548,7 +362,7 @@ class Compiled(_Stage):
     except jax.errors.JaxRuntimeError as e:
       _raise_interrupt(e)
       raise
-    return _complete(plan, result)
+    return complete_call(plan, result)
 
 
 def calls_host(jaxpr) -> bool:
@@ -580,7 +394,7 @@ def _donated_positions(call: CallArgs, donate_argnums, n_state: int = 1) -> tupl
 
 
 def _body(n_state: int, rules: Rules, *args):
-  plan: _Plan = _CURRENT.plan()
+  plan: Plan = CURRENT_PLAN.plan()
   sf = plan.stateful_fun
   state, dyn = plan.full_state(args[:n_state]), args[n_state:]
   trace: Trace = sf.trace_for(plan.disc, plan.live_call(), state, dyn)
@@ -593,9 +407,9 @@ def _body(n_state: int, rules: Rules, *args):
   if rules and (trace.attachments or trace.out_spec.has_nodes):
     new, out_leaves = _lay_out_new(rules, trace, new, out_leaves)
   if _packs(trace):
-    return _Packed(written, new, out_leaves, trace)
+    return Packed(written, new, out_leaves, trace)
   out = trace.out_spec.rebuild(out_leaves, plan.disc)
-  return _Written(written, out) if written else out  # a call that writes nothing returns its output as is
+  return Written(written, out) if written else out  # a call that writes nothing returns its output as is
 
 
 def _new_layouts(rules: Rules, trace: Trace) -> tuple[list, list]:
@@ -624,43 +438,7 @@ def _shape_of(x) -> tuple:
 
 
 def _packs(trace: Trace) -> bool:
-  """Whether the compiled output is a ``_Packed`` (rebuilt in Python) rather than the user's tree."""
+  """Whether the compiled output is a ``Packed`` (rebuilt in Python) rather than the user's tree."""
   return bool(trace.attachments or trace.out_spec.has_nodes or trace.closed.effects)
 
 
-def _complete(plan: _Plan, result):
-  """Write a compiled call's results back; return its output."""
-  kind = type(result)
-  if kind is _Written:
-    _write(plan, result.written)
-    return result.out
-  if kind is _Packed:
-    return _finish(plan, result)
-  return result
-
-
-def _write(plan: _Plan, written: dict) -> None:
-  values = written.values()
-  if type(next(iter(values))) is _compat.ArrayImpl:  # concrete: we run eagerly, the write is ours
-    with _compat.KEPT_LOCK:
-      mark, entry = _compat.VALUE_WRITES[0], _compat.KEPT_VALUES.get(plan.me)
-    set_values(list(map(plan.variables.__getitem__, written)), values)  # forgets every kept list
-    if entry is not None:
-      with _compat.KEPT_LOCK:
-        if _compat.VALUE_WRITES[0] == mark + 1:  # ours was the only write: keep ours, updated
-          kept = entry[1]
-          for i, x in zip(written, values):
-            kept[i] = x
-          _compat.KEPT_VALUES[plan.me] = entry
-  else:
-    write_values(plan.disc, tuple(written), tuple(values))
-
-
-def _finish(plan: _Plan, packed: _Packed):
-  if packed.trace.closed.effects:
-    # A host callback may fail while the program runs asynchronously; wait for it,
-    # so that a failure raises here, before any Variable is written.
-    jax.block_until_ready((packed.written, packed.new, packed.out))
-  if packed.written:
-    _write(plan, packed.written)
-  return packed.trace.finish(plan.disc, packed.new, packed.out)

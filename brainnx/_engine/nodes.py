@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from brainnx import _compat
+from brainnx._engine.slots import slot_names
 
 
 # Objects that can never hold a Variable: skipped without a look inside.
@@ -72,14 +73,14 @@ def _is_plain_type(cls: type) -> bool:
     return False
   if issubclass(cls, (nnx.Pytree, nnx.Variable, BaseException)):
     return False
-  return '__dict__' in dir(cls) or bool(_compat.slot_names(cls))
+  return '__dict__' in dir(cls) or bool(slot_names(cls))
 
 
 def is_plain_object(x: Any) -> bool:
   """A user object whose attributes (``vars()``, or its ``__slots__``) brainnx walks: not a
   graph node, type or function."""
   return not isinstance(x, ATOM_TYPES) and _is_plain_type(type(x)) and (
-    hasattr(x, '__dict__') or bool(_compat.slot_names(type(x))))
+    hasattr(x, '__dict__') or bool(slot_names(type(x))))
 
 
 def holds_graph_node(x: Any, _seen=None) -> bool:
@@ -105,6 +106,11 @@ def holds_graph_node(x: Any, _seen=None) -> bool:
 def is_reference(x: Any) -> bool:
   """Passed by reference into a transform: a graph node, or a plain object holding one."""
   return is_graph_node(x) or (is_plain_object(x) and holds_graph_node(x))
+
+
+def is_int(x) -> bool:
+  """A Python int that is not a bool (``True`` is an ``int`` to Python, never a count or an axis here)."""
+  return isinstance(x, int) and not isinstance(x, bool)
 
 
 def describe(path, variable) -> str:

@@ -42,18 +42,34 @@ from brainnx._engine.structure import NO_ATTACHMENTS, Attachments, GraphSplit, K
 #: ``STATE_CHANGES`` says a change is under way: see :func:`read_values`).
 TRACE_LOCK = threading.RLock()
 
-#: ``[in progress, begun]``: changes of Variable values that another thread must not see
-#: half done (a trace swapping tracers in, a write-back), counted under ``TRACE_LOCK``. A warm
-#: call reads without taking the lock when none is in progress and none began during its read.
-STATE_CHANGES = [0, 0]
+class StateChanges:
+  """Changes of Variable values that another thread must not see half done (a trace swapping
+  tracers in, a write-back), counted under ``TRACE_LOCK``: ``under_way`` now, ``begun`` ever.
+  A warm call reads without taking the lock when none is under way and none began during its
+  read."""
+
+  __slots__ = ('under_way', 'begun')
+
+  def __init__(self):
+    self.under_way = self.begun = 0
+
+  def start(self) -> None:
+    self.under_way += 1
+    self.begun += 1
+
+  def end(self) -> None:
+    self.under_way -= 1
+
+
+STATE_CHANGES = StateChanges()
 
 
 def read_values(variables: Sequence) -> list:
   """Every Variable's value: never another thread's tracer, nor half of its write-back."""
-  changes, begun = STATE_CHANGES, STATE_CHANGES[1]
-  if not changes[0]:
+  changes, begun = STATE_CHANGES, STATE_CHANGES.begun
+  if not changes.under_way:
     values = list(map(_compat.raw_value, variables))
-    if changes[1] == begun:
+    if changes.begun == begun:
       return values
   with TRACE_LOCK:
     return list(map(_compat.raw_value, variables))
@@ -62,12 +78,11 @@ def read_values(variables: Sequence) -> list:
 def set_values(variables: Sequence, values) -> None:
   """Store concrete ``values`` in ``variables`` as one change (see ``STATE_CHANGES``)."""
   with TRACE_LOCK:
-    STATE_CHANGES[0] += 1
-    STATE_CHANGES[1] += 1
+    STATE_CHANGES.start()
     try:
       _compat.set_raw_values(variables, values)
     finally:
-      STATE_CHANGES[0] -= 1
+      STATE_CHANGES.end()
 
 
 # -- the state step -----------------------------------------------------------------
@@ -91,8 +106,7 @@ def swapped(disc: Discovery, values: Sequence):
     old_node_levels = [_compat.get_node_trace_state(n) for n in nodes]
     contents = disc.snapshot()
     level = _compat.new_trace_state()
-    STATE_CHANGES[0] += 1
-    STATE_CHANGES[1] += 1
+    STATE_CHANGES.start()
     try:
       _compat.set_raw_values(variables, values)  # one counted write for the whole swap
       for v in variables:
@@ -107,7 +121,7 @@ def swapped(disc: Discovery, values: Sequence):
         _compat.set_node_trace_state(v, lv)
       for n, lv in zip(nodes, old_node_levels):
         _compat.set_node_trace_state(n, lv)
-      STATE_CHANGES[0] -= 1
+      STATE_CHANGES.end()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -174,12 +188,12 @@ def state_step(fun: Callable, disc: Discovery, call: CallArgs, state_values: Seq
   """
   inside = [(i, jax.tree.structure(x), jax.tree.leaves(x)) for i, x in enumerate(state_values) if _is_container_value(x)]
   with swapped(disc, state_values) as before:
-    edits = _compat.PYTREE_EDITS[0]
+    edits = _compat.PYTREE_EDITS.n
     args, kwargs = call.rebuild(dyn, call.refs)
     out = fun(*args, **kwargs)
     now = [_compat.raw_value(v) for v in disc.variables]
     graph = GraphSplit(disc)
-    if _compat.PYTREE_EDITS[0] == edits and disc.unchanged_since(before):
+    if _compat.PYTREE_EDITS.n == edits and disc.unchanged_since(before):
       attachments, new_values = NO_ATTACHMENTS, []  # nothing was attached anywhere
     else:
       attachments, new_values = graph.attachments(disc.changes_since(before), disc.rebound_since(before))
@@ -247,7 +261,7 @@ def abstract(x) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type, **extra)
 
 
-def _abstract_tree(value, where: Callable[[], str]):
+def abstract_tree(value, where: Callable[[], str]):
   for leaf in jax.tree.leaves(value):
     if not isinstance(leaf, _ARRAY_LIKE) and not isinstance(leaf, _compat.Tracer):
       raise TypeError(
@@ -260,12 +274,12 @@ def _abstract_tree(value, where: Callable[[], str]):
 
 def abstract_states(disc: Discovery, values: Sequence) -> list:
   """Abstract values of every discovered Variable; a non-array value → ``TypeError`` naming it."""
-  return [_abstract_tree(x, lambda i=i: disc.describe(i)) for i, x in enumerate(values)]
+  return [abstract_tree(x, lambda i=i: disc.describe(i)) for i, x in enumerate(values)]
 
 
 def abstract_args(dyn: Sequence) -> list:
   """Abstract values of a call's dynamic arguments."""
-  return [_abstract_tree(x, lambda k=k: f'dynamic argument {k}') for k, x in enumerate(dyn)]
+  return [abstract_tree(x, lambda k=k: f'dynamic argument {k}') for k, x in enumerate(dyn)]
 
 
 def aval_key(avals) -> Hashable:

@@ -56,9 +56,12 @@ class StatefulFunction:
   touched at the same point (say, assigned an argument as is) keep their
   discovery order.
 
-  Every method taking ``*args, **kwargs`` traces ``fun`` for those
-  arguments (arrays or ``jax.ShapeDtypeStruct``s; static ones by value)
-  unless a trace for their abstract signature is cached.
+  The getters. Every method taking ``*args, **kwargs`` (the call's
+  positional and keyword arguments: arrays, ``jax.ShapeDtypeStruct``s,
+  graph nodes, static values) traces ``fun`` for those arguments unless a
+  trace for their abstract signature is cached, and raises ``TypeError``
+  if a static argument is not hashable, or a dynamic argument or a
+  Variable the call uses holds something other than arrays.
 
   Args:
     fun: the function. It may read and write any Variable reachable from its
@@ -153,17 +156,10 @@ class StatefulFunction:
     reuse it. No Variable is changed.
 
     Args:
-      *args: the call's positional arguments (arrays,
-        ``jax.ShapeDtypeStruct``s, graph nodes, static values).
-      **kwargs: the call's keyword arguments.
+      *args, **kwargs: the call's arguments (see "The getters" in the class docstring).
 
     Returns:
       ``self``, for chaining (``sf.make_jaxpr(x).get_states(x)``).
-
-    Raises:
-      TypeError: if a static argument is not hashable, or a dynamic
-        argument or a Variable the call uses holds something other than
-        arrays.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -187,17 +183,10 @@ class StatefulFunction:
     all touched) state values then the output leaves.
 
     Args:
-      *args: the call's positional arguments (arrays,
-        ``jax.ShapeDtypeStruct``s, graph nodes, static values).
-      **kwargs: the call's keyword arguments.
+      *args, **kwargs: the call's arguments (see "The getters" in the class docstring).
 
     Returns:
       The cached ``jax.extend.core.ClosedJaxpr`` of the call.
-
-    Raises:
-      TypeError: if a static argument is not hashable, or a dynamic
-        argument or a Variable the call uses holds something other than
-        arrays.
 
     Example:
       >>> import jax.numpy as jnp
@@ -214,18 +203,11 @@ class StatefulFunction:
     """Variables the call reads or writes, in first-touch order.
 
     Args:
-      *args: the call's positional arguments (arrays,
-        ``jax.ShapeDtypeStruct``s, graph nodes, static values).
-      **kwargs: the call's keyword arguments.
+      *args, **kwargs: the call's arguments (see "The getters" in the class docstring).
 
     Returns:
       A tuple of the touched Variable objects, in the order of the jaxpr's
       state inputs.
-
-    Raises:
-      TypeError: if a static argument is not hashable, or a dynamic
-        argument or a Variable the call uses holds something other than
-        arrays.
 
     Example:
       >>> import jax.numpy as jnp
@@ -244,17 +226,10 @@ class StatefulFunction:
     """Variables whose incoming value the call uses.
 
     Args:
-      *args: the call's positional arguments (arrays,
-        ``jax.ShapeDtypeStruct``s, graph nodes, static values).
-      **kwargs: the call's keyword arguments.
+      *args, **kwargs: the call's arguments (see "The getters" in the class docstring).
 
     Returns:
       A tuple of those Variables, in first-touch order.
-
-    Raises:
-      TypeError: if a static argument is not hashable, or a dynamic
-        argument or a Variable the call uses holds something other than
-        arrays.
 
     Example:
       >>> import jax.numpy as jnp
@@ -273,17 +248,10 @@ class StatefulFunction:
     """Variables the call gives a new value.
 
     Args:
-      *args: the call's positional arguments (arrays,
-        ``jax.ShapeDtypeStruct``s, graph nodes, static values).
-      **kwargs: the call's keyword arguments.
+      *args, **kwargs: the call's arguments (see "The getters" in the class docstring).
 
     Returns:
       A tuple of those Variables, in first-touch order.
-
-    Raises:
-      TypeError: if a static argument is not hashable, or a dynamic
-        argument or a Variable the call uses holds something other than
-        arrays.
 
     Example:
       >>> import jax.numpy as jnp
@@ -302,18 +270,11 @@ class StatefulFunction:
     """The return value's structure with ``jax.ShapeDtypeStruct`` leaves.
 
     Args:
-      *args: the call's positional arguments (arrays,
-        ``jax.ShapeDtypeStruct``s, graph nodes, static values).
-      **kwargs: the call's keyword arguments.
+      *args, **kwargs: the call's arguments (see "The getters" in the class docstring).
 
     Returns:
       A pytree of the structure ``fun`` returns, each array leaf replaced
       by its ``jax.ShapeDtypeStruct``.
-
-    Raises:
-      TypeError: if a static argument is not hashable, or a dynamic
-        argument or a Variable the call uses holds something other than
-        arrays.
 
     Example:
       >>> import jax.numpy as jnp

@@ -34,7 +34,7 @@ from brainnx._engine.arguments import CallArgs
 from brainnx._engine.call import StatefulCall, StepInfo
 from brainnx._engine.discovery import Discovery
 from brainnx._engine.outputs import OutSpec
-from brainnx._engine.state import _abstract_tree, finish_call
+from brainnx._engine.state import abstract_tree, finish_call
 from brainnx._engine.structure import Attachments
 
 
@@ -118,7 +118,7 @@ class Trace:
         f'{where}: expected {len(self.states)} state values (one per get_states() entry), got {len(values)}'
       )
     for i, value, expected in zip(self.states, values, self.state_avals):
-      got = _abstract_tree(value, lambda i=i: f'the value given for {disc.describe(i)}')
+      got = abstract_tree(value, lambda i=i: f'the value given for {disc.describe(i)}')
       if jax.tree.structure(got) != jax.tree.structure(expected) or any(
         (g.shape, g.dtype) != (e.shape, e.dtype) for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected))
       ):

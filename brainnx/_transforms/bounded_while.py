@@ -27,10 +27,10 @@ import jax.numpy as jnp
 from brainnx._engine.config import Config
 from brainnx._engine.eager import call
 from brainnx._engine.loop_body import all_or_nothing, dyn_leaves, in_python
+from brainnx._engine.nodes import is_int
 from brainnx._transforms.progress import runner_for, split_pbar
 from brainnx._transforms.scan import check_loop_callable
 from brainnx._transforms.while_loops import while_parts
-
 
 _NAME = 'bounded_while_loop'
 
@@ -92,7 +92,7 @@ def bounded_while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any, ma
   check_loop_callable(cond_fun, f'{_NAME} cond_fun')
   check_loop_callable(body_fun, f'{_NAME} body_fun')
   for what, value, least in (('max_steps', max_steps, 1), ('base', base, 2)):
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not is_int(value):
       raise TypeError(f'{_NAME}: {what} must be an int, got {value!r} ({type(value).__name__})')
     if value < least:
       raise ValueError(f'{_NAME}: {what} must be at least {least}, got {what}={value}')

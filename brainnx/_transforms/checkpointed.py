@@ -21,9 +21,17 @@ import jax.numpy as jnp
 from brainnx._engine.config import Config
 from brainnx._engine.eager import call
 from brainnx._engine.loop_body import all_or_nothing, dyn_leaves, in_python
+from brainnx._engine.nodes import is_int
 from brainnx._transforms import scan_state
 from brainnx._transforms.progress import runner_for, split_pbar
-from brainnx._transforms.scan import check_loop_callable, for_body, leading_length, python_scan, rebuild_part, scan_parts
+from brainnx._transforms.scan import (
+  check_loop_callable,
+  for_body,
+  leading_length,
+  python_scan,
+  rebuild_part,
+  scan_parts,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,7 +46,7 @@ class CheckpointedConfig(Config):
 
 
 def _check_base(base) -> int:
-  if isinstance(base, bool) or not isinstance(base, int) or base < 2:
+  if not is_int(base) or base < 2:
     raise ValueError(f'checkpointed loops need an int base >= 2, got {base!r}')
   return base
 

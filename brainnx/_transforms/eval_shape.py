@@ -13,14 +13,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import types
-import weakref
 from typing import Any, Callable
 
 from brainnx._engine.caches import WeakCache
 from brainnx._engine.config import Config
 from brainnx._engine.errors import check_callable
-from brainnx._engine.jitted import weak_or_strong
+from brainnx._engine.weak import weak_ref
 from brainnx._engine.stateful_function import StatefulFunction
 
 
@@ -74,7 +72,7 @@ class _Weak:
   ``__wrapped__`` to it."""
 
   def __init__(self, fun):
-    self._ref = weakref.WeakMethod(fun) if isinstance(fun, types.MethodType) else weak_or_strong(fun)
+    self._ref = weak_ref(fun)
 
   @property
   def __wrapped__(self):

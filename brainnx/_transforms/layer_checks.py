@@ -30,6 +30,7 @@ from typing import Any, Sequence
 from brainnx._engine.discovery import Discovery
 from brainnx._engine.errors import BatchAxisError
 from brainnx._engine.filters import AxisRules, filter_code, stacked_of
+from brainnx._engine.nodes import is_int
 from brainnx._transforms.vmap_checks import check_rules_reach, stacked_hint
 
 
@@ -38,7 +39,7 @@ def from_state_axes(state_axes) -> dict:
   refused with what to write (brainnx carries the Variables a body writes by itself)."""
   pairs = []
   for flt, axis in state_axes.items():
-    if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool)):
+    if axis is not None and not is_int(axis):
       raise TypeError(
         f'scan: nnx.StateAxes entry {{{filter_code(flt) or repr(flt)}: {filter_code(axis) or repr(axis)}}}: '
         'a brainnx scan carries every Variable its body writes by itself, so there is no nnx.Carry '

@@ -16,12 +16,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from brainnx._engine.discovery import discover
 from brainnx._engine.config import Config
+from brainnx._engine.discovery import discover
 from brainnx._engine.eager import call
 from brainnx._engine.filters import stacks_handled_by
 from brainnx._engine.loop_body import LoopBody
-from brainnx._transforms.scan import ScanConfig, check_loop_callable, for_body, leading_length, run_scan, scan, step_example
+from brainnx._engine.nodes import is_int
+from brainnx._transforms.scan import (
+  ScanConfig,
+  check_loop_callable,
+  for_body,
+  leading_length,
+  run_scan,
+  scan,
+  step_example,
+)
 from brainnx._transforms.vmap import vmap
 
 
@@ -71,7 +80,7 @@ def map(f: Callable, *xs, batch_size: int | None = None) -> Any:  # noqa: A001 -
     ([0, 2, 4, 6], 4)
   """
   check_loop_callable(f, 'map')
-  if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0):
+  if batch_size is not None and (not is_int(batch_size) or batch_size <= 0):
     raise ValueError(f'map: batch_size must be a positive int, got {batch_size!r}')
   return call(_map_impl, MapConfig(batch_size=batch_size), (f,), xs)
 

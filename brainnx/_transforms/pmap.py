@@ -25,7 +25,8 @@ from __future__ import annotations
 from typing import Any, Callable, Hashable
 
 from brainnx._engine.arguments import StaticArgs, normalize_argnums
-from brainnx._transforms.vmap import Mapper, vmap_config, mapped
+from brainnx._transforms.mapping_config import Mapper, vmap_config
+from brainnx._transforms.vmap import mapped
 
 
 def pmap(

@@ -34,6 +34,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from brainnx import _compat
+from brainnx._engine.nodes import is_int
 
 
 class ProgressBar:
@@ -78,7 +79,7 @@ class ProgressBar:
     if freq is not None and count is not None:
       raise ValueError('ProgressBar: give freq or count, not both')
     for name, value in (('freq', freq), ('count', count)):
-      if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+      if value is not None and (not is_int(value) or value <= 0):
         raise ValueError(f'ProgressBar: {name} must be a positive int, got {value!r}')
     if desc is not None and not isinstance(desc, str):
       if not (isinstance(desc, tuple) and len(desc) == 2 and isinstance(desc[0], str) and callable(desc[1])):
@@ -204,7 +205,7 @@ def check_pbar(pbar: Any) -> None:
   """``TypeError``/``ValueError`` unless ``pbar`` is ``None``, a ``ProgressBar`` or a positive int."""
   if pbar is None or isinstance(pbar, ProgressBar):
     return
-  if isinstance(pbar, int) and not isinstance(pbar, bool):
+  if is_int(pbar):
     if pbar <= 0:
       raise ValueError(f'pbar={pbar}: an int pbar is the update frequency and must be positive')
     return

@@ -24,84 +24,35 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
-import sys
-import warnings
 from typing import Any, Callable, Hashable
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 
 from brainnx import _compat
-from brainnx._engine.arguments import ArgKind, CallArgs, StaticArgs
-from brainnx._engine.discovery import Discovery
-from brainnx._engine.nodes import is_graph_node, key_name, LIBRARY_DIRS
-from brainnx._engine.roots import RootKind
+from brainnx._engine.call import Record, StatefulCall
 from brainnx._engine.discovery import discover
 from brainnx._engine.eager import eager, program
-from brainnx._engine.config import Config
-from brainnx._engine.errors import BatchAxisError
-from brainnx._engine.filters import AxisRules, mark_stacked, types_code
-from brainnx._engine.jitted import JitOptions
-from brainnx._engine.outputs import Leaf, New, OutSpec
-from brainnx._engine.sentinels import ONCE
-from brainnx._engine.rng import advanced_count, split_per_element
-from brainnx._engine.call import Record, StatefulCall
-from brainnx._engine.state import finish_call, read_values
-from brainnx._engine.structure import Attachments
 from brainnx._engine.errors import check_callable
+from brainnx._engine.filters import AxisRules
+from brainnx._engine.jitted import JitOptions
+from brainnx._engine.nodes import is_int
+from brainnx._engine.rng import advanced_count, split_per_element
+from brainnx._engine.sentinels import ONCE
+from brainnx._engine.state import finish_call
 from brainnx._transforms import vmap_checks
-
-
-class Mapper(enum.Enum):
-  """Which JAX mapping runs the batch."""
-
-  VMAP = 'vmap'
-  PMAP = 'pmap'
-
-
-class Policy(enum.Enum):
-  """``unexpected_out_state_mapping``: what happens to a broadcast Variable written per element."""
-
-  RAISE = 'raise'
-  WARN = 'warn'
-  IGNORE = 'ignore'
-
-  @classmethod
-  def of(cls, value: str) -> 'Policy':
-    try:
-      return cls(value)
-    except ValueError:
-      raise ValueError(
-        f'unexpected_out_state_mapping must be one of {tuple(p.value for p in cls)}, got {value!r}'
-      ) from None
-
-
-@dataclasses.dataclass(frozen=True)
-class VmapConfig(Config):
-  """Everything a mapping transform (``vmap``, ``vmap_new_states``, ``pmap``) was configured
-  with; ``name`` is its mapper's (``vmap`` or ``pmap``), which errors use."""
-
-  fn: Callable | None
-  in_axes: Any = 0
-  out_axes: Any = 0
-  axis_name: Hashable | None = None
-  axis_size: int | None = None
-  spmd_axis_name: Any = None
-  state_in: AxisRules = dataclasses.field(default_factory=lambda: AxisRules(None, 'state_in_axes'))
-  state_out: AxisRules = dataclasses.field(default_factory=lambda: AxisRules(None, 'state_out_axes'))
-  policy: Policy = Policy.RAISE
-  new_states: bool = False  # vmap_new_states: Variables created inside come out batched
-  state_tag: str | None = None
-  state_to_exclude: AxisRules | None = None
-  mapper: Mapper = Mapper.VMAP
-  pmap_kwargs: tuple = ()
-  statics: StaticArgs = StaticArgs()  # pmap's static_broadcasted_argnums
-  donate_argnums: tuple = ()  # pmap's donate_argnums
-  partition_name: Hashable | None = None  # the mesh axis of the stacked axis in sharding metadata
+from brainnx._transforms.mapping_config import Mapper, VmapConfig, partition_name, vmap_config
+from brainnx._transforms.vmap_axes import BatchLayout, batch_layout, one_of_zeros, uncommit, uncommitted, written_axis
+from brainnx._transforms.vmap_outputs import (
+  Decisions,
+  check_out_rules,
+  check_unbatched_outputs,
+  created_axis,
+  mark_created_stacked,
+  out_leaf_axes,
+  place_batched,
+  warn_identical_members,
+)
 
 
 class MappedFunction:
@@ -127,8 +78,8 @@ class MappedFunction:
         raise
     # jax.pmap takes inputs committed to other devices (a counter a 2-device pmap wrote, now read
     # by a 4-device one), where the compiled program around it cannot: move them, as pmap would
-    _uncommit(discover(self.config.fn, args, kwargs).variables)
-    args, kwargs = jax.tree.map(_uncommitted, (args, kwargs))
+    uncommit(discover(self.config.fn, args, kwargs).variables)
+    args, kwargs = jax.tree.map(uncommitted, (args, kwargs))
     return self._program(*args, **kwargs)
 
   def __get__(self, obj, objtype=None):
@@ -146,410 +97,14 @@ def _mapped_impl(config: VmapConfig, roots: tuple, *args, **kwargs):
 # -- axes of arguments ---------------------------------------------------------------
 
 
-def _uncommitted(x):
-  """``x``, or a copy on the default device, uncommitted, when ``x`` is committed to devices."""
-  if isinstance(x, jax.Array) and x.committed and x.is_fully_addressable:
-    return jnp.asarray(np.asarray(x))
-  return x
-
-
-def _uncommit(variables) -> None:
-  for v in variables:
-    value = _compat.raw_value(v)
-    moved = jax.tree.map(_uncommitted, value)
-    if any(a is not b for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(value))):
-      _compat.set_raw_value(v, moved)
-
-
-def _positional_axes(in_axes, n_args: int) -> list:
-  if isinstance(in_axes, list):
-    in_axes = tuple(in_axes)
-  if isinstance(in_axes, tuple):
-    if len(in_axes) != n_args:
-      raise ValueError(
-        f'vmap in_axes is a tuple of length {len(in_axes)} but the function got {n_args} '
-        'positional arguments: give one entry per positional argument'
-      )
-    return list(in_axes)
-  if in_axes is not None and (not isinstance(in_axes, int) or isinstance(in_axes, bool)):
-    raise TypeError(f'vmap in_axes must be an int, None or a tuple, got {in_axes!r}')
-  return [in_axes] * n_args
-
-
-def _axis_at(spec, keys: tuple, where: str):
-  """The int/None axis a (possibly nested) axis spec gives at ``keys``."""
-  for key in keys:
-    if spec is None or isinstance(spec, int):
-      return spec
-    if isinstance(spec, nnx.StateAxes):
-      break
-    if isinstance(spec, (list, tuple)) and isinstance(key, int) and key < len(spec):
-      spec = spec[key]
-    elif isinstance(spec, dict) and key in spec:
-      spec = spec[key]
-    else:
-      raise ValueError(f'vmap in_axes for {where} has no entry for {key!r}')
-  if isinstance(spec, nnx.StateAxes):
-    raise vmap_checks.state_axes_at(spec, 'vmap out_axes' if where == 'out_axes' else f'vmap in_axes for {where}')
-  if spec is not None and (not isinstance(spec, int) or isinstance(spec, bool)):
-    raise TypeError(f'vmap in_axes for {where} must give an int or None here, got {spec!r}')
-  return spec
-
-
-def _leaf_axes(spec, value, where: str) -> list:
-  """One axis per leaf of ``value`` (graph nodes kept as leaves)."""
-  leaves = jax.tree_util.tree_flatten_with_path(value, is_leaf=is_graph_node)[0]
-  return [_axis_at(spec, tuple(key_name(k) for k in path), where) for path, _ in leaves]
-
-
-def _normalized(axis: int, ndim: int) -> int | None:
-  return axis + ndim if -ndim <= axis < 0 else (axis if 0 <= axis < ndim else None)
-
-
 # -- the mapped call ----------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Layout:
-  """In-axes of every discovered Variable and dynamic argument, and the batch size."""
-
-  state_axes: list
-  split_streams: list  # (key index, count index)
-  dyn_axes: tuple
-  size: int
-
-
-def _layout(cfg: VmapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs: dict) -> _Layout:
-  arg_axes = _positional_axes(cfg.in_axes, len(args))
-  values = read_values(disc.variables)
-  vmap_checks.check_rules_reach(cfg.name, cfg.state_in, list(zip(disc.paths, disc.variables)), 'the function reaches')
-
-  def in_axis(path, var, root_index):
-    hit, axis = cfg.state_in.axis_of(path, var)
-    if hit:
-      return True, axis, 'state_in_axes'
-    root = disc.roots[root_index]
-    if root.kind is RootKind.ARG:
-      return False, _axis_at(arg_axes[root.name], path[1:], f'argument {root.name}'), f'in_axes of argument {root.name}'
-    if root.kind is RootKind.KWARG:
-      return False, 0, f'keyword argument {root.name!r}'
-    return False, None, 'broadcast'
-
-  axes, sources, matched = [], [], []
-  for i, (path, var) in enumerate(zip(disc.paths, disc.variables)):
-    hit, axis, source = in_axis(path, var, disc.root_of[i])
-    axes.append(axis)
-    sources.append(source)
-    matched.append(hit)
-  for i, path, root in disc.aliases:  # one Variable, two ways in: they must agree
-    _, axis, source = in_axis(path, disc.variables[i], root)
-    if axis != axes[i]:
-      raise BatchAxisError(
-        f'{cfg.name}: {disc.describe(i)} is also reached as {path!r}, with another batch axis: '
-        f'{axes[i]} ({sources[i]}) there, {axis} ({source}) here. One Variable has one batch '
-        'axis: pass it once, give both arguments the same in_axes, or set its axis with state_in_axes'
-      )
-
-  _check_node_aliases(cfg, args, kwargs, arg_axes)
-
-  split, presplit = [], []
-  for k, c in disc.streams:
-    if matched[k]:
-      continue
-    key = values[k]
-    if axes[k] is not None and getattr(key, 'ndim', 0) > 0:
-      continue  # a stacked stream coming in through a mapped argument: used as given
-    if getattr(key, 'ndim', 0) > 0:  # several keys, broadcast: refused below, naming the cause
-      presplit.append(k)
-      continue
-    split.append((k, c))
-    axes[k] = 0
-    if not matched[c]:
-      axes[c] = None
-
-  sizes = []
-  split_keys = {k for k, _ in split}
-  for i, axis in enumerate(axes):
-    if axis is None or i in split_keys:
-      continue
-    for leaf in jax.tree.leaves(values[i]):
-      shape = jnp.shape(leaf)
-      norm = _normalized(axis, len(shape))
-      if norm is None and isinstance(disc.variables[i], (nnx.RngKey, nnx.RngCount)):
-        stream = disc.variables[i].get_metadata().get('tag') or disc.paths[i][-2]
-        raise ValueError(
-          f'{cfg.name}: {disc.describe(i)} is mapped on axis {axis} ({sources[i]}) but the stream '
-          f'holds one key (shape {tuple(shape)}), not one per element as nnx.split_rngs would leave it. '
-          f'Drop the rule for it (the {stream!r} entry of your nnx.StateAxes, or of state_in_axes): '
-          f'{cfg.name} splits {stream!r} per element by itself, one key each, as flax\'s '
-          'nnx.split_rngs + nnx.vmap does'
-        )
-      if norm is None:
-        raise ValueError(
-          f'{cfg.name}: {disc.describe(i)} is mapped on axis {axis} ({sources[i]}) but its value '
-          f'has shape {tuple(shape)}: map it on an axis it has, or broadcast it with '
-          f'state_in_axes={{None: {types_code([disc.variables[i]])}}}'
-        )
-      axes[i] = norm
-      sizes.append((shape[norm], disc.describe(i)))
-
-  for i, (path, var) in enumerate(zip(disc.paths, disc.variables)):
-    hit, out_axis = cfg.state_out.axis_of(path, var)
-    if hit and out_axis is not None and axes[i] is not None and i not in split_keys:
-      ndim = max((jnp.ndim(x) for x in jax.tree.leaves(values[i])), default=0)
-      if _normalized(out_axis, ndim) != axes[i]:
-        raise BatchAxisError(
-          f'{cfg.name}: {disc.describe(i)} is mapped in on axis {axes[i]} ({sources[i]}) but '
-          f'state_out_axes declares axis {out_axis}: use the same axis for both'
-        )
-
-  dyn_axes = []
-  slot_axes = list(arg_axes) + [0] * len(kwargs)
-  names = [f'argument {i}' for i in range(len(args))] + [f'keyword argument {k!r}' for k in kwargs]
-  for slot, kind in enumerate(call.kinds):
-    if kind not in (ArgKind.DYN, ArgKind.MIXED):
-      continue
-    value = (list(args) + list(kwargs.values()))[slot]
-    leaf_axes = _leaf_axes(slot_axes[slot], value, names[slot])
-    leaves = jax.tree.leaves(value, is_leaf=is_graph_node)
-    for leaf, axis in zip(leaves, leaf_axes):
-      if axis is None or is_graph_node(leaf):
-        continue
-      shape = jnp.shape(leaf)
-      if not shape:
-        raise ValueError(
-          f'{cfg.name}: {names[slot]} is a scalar but in_axes maps it on axis {axis}; '
-          'pass in_axes=None for it or give it a leading batch axis'
-        )
-      norm = _normalized(axis, len(shape))
-      if norm is None:
-        raise ValueError(f'{cfg.name}: {names[slot]} has shape {tuple(shape)}, no axis {axis} to map over')
-      sizes.append((shape[norm], names[slot]))
-    if kind is ArgKind.DYN:
-      dyn_axes.append(slot_axes[slot])
-    else:
-      dyn_axes.extend(a for a, leaf in zip(leaf_axes, leaves) if not is_graph_node(leaf))
-
-  if cfg.axis_size is not None:
-    sizes.append((cfg.axis_size, 'axis_size'))
-  distinct = sorted({s for s, _ in sizes})
-  if not sizes:
-    raise ValueError(
-      f'{cfg.name}: nothing is mapped (no argument or Variable has a batch axis) and no '
-      'axis_size was given: pass axis_size=N, or map an input'
-    )
-  if len(distinct) > 1:
-    listing = ', '.join(f'{where}: {s}' for s, where in sizes)
-    hint = ''
-    if any(src.startswith('in_axes of argument') for src in sources):
-      hint = (
-        '. A Module passed with an int in_axes is mapped whole: every Variable in it needs that '
-        'batch axis. Pass in_axes=None for it to broadcast it, or map only some Variables with state_in_axes'
-      )
-    raise ValueError(f'{cfg.name}: inconsistent batch sizes {distinct} ({listing}){hint}')
-  vmap_checks.check_stacked_broadcast(cfg, disc, axes, matched, distinct[0], presplit)
-  return _Layout(axes, split, tuple(dyn_axes), distinct[0])
-
-
-def _check_node_aliases(cfg: VmapConfig, args: tuple, kwargs: dict, arg_axes: list) -> None:
-  """One graph node (a Module, Rngs) passed through two arguments with different batch axes:
-  ``BatchAxisError`` naming both paths, whether or not the function reads it (as ``nnx.vmap``'s
-  "inconsistent aliasing"). Variables ``state_in_axes`` matches take its axis either way."""
-  seen: dict[int, tuple] = {}
-  slots = [(i, a, arg_axes[i], f'in_axes of argument {i}') for i, a in enumerate(args)]
-  slots += [(k, a, 0, f'keyword argument {k!r}') for k, a in kwargs.items()]
-  for name, value, spec, source in slots:
-    leaves = jax.tree_util.tree_flatten_with_path(value, is_leaf=is_graph_node)[0]
-    for key_path, node in leaves:
-      if not is_graph_node(node) or isinstance(node, nnx.Variable):
-        continue  # a bare Variable passed twice is the discovery's alias check
-      head = (name,) + tuple(key_name(k) for k in key_path)
-      for sub, var in nnx.iter_graph(node):
-        if not isinstance(var, nnx.Variable):
-          continue
-        path = head + tuple(sub)
-        if cfg.state_in.axis_of(path, var)[0]:
-          continue
-        axis = _axis_at(spec, path[1:], f'argument {name}')
-        ndim = max((jnp.ndim(x) for x in jax.tree.leaves(_compat.raw_value(var))), default=0)
-        norm = _normalized(axis, ndim) if axis is not None else None
-        first = seen.setdefault(id(var), (path, axis, norm, source))
-        if first[2] != norm:
-          raise BatchAxisError(
-            f'{cfg.name}: one graph node is passed twice with different batch axes: its '
-            f'{type(var).__name__} is reached as {first[0]!r} with axis {first[1]} ({first[3]}) and as '
-            f'{path!r} with axis {axis} ({source}). One Variable has one batch axis: pass the node '
-            'once, give both arguments the same in_axes, or set its axis with state_in_axes'
-          )
-
-
-def _decide(cfg: VmapConfig, disc: Discovery, i: int, in_axis, batched: bool):
-  """Where a written Variable's new value goes: an int axis, or ``ONCE``."""
-  path, var = disc.paths[i], disc.variables[i]
-  hit, out_axis = cfg.state_out.axis_of(path, var)
-  if hit:
-    if out_axis is None:
-      if batched:
-        raise BatchAxisError(
-          f'{cfg.name}: {disc.describe(i)} is declared state_out_axes=None (one value for the '
-          'whole batch) but its new value differs per batch element: declare a batch axis for it, '
-          f'e.g. state_out_axes={{0: {types_code([var])}}}'
-        )
-      return ONCE
-    return out_axis
-  if in_axis is not None:
-    return in_axis
-  if not batched:
-    return ONCE
-  what = f'{cfg.name}: {disc.describe(i)} is broadcast into the mapped call (no batch axis) but its new value differs per batch element'
-  hint = ''
-  if isinstance(var, nnx.BatchStat):
-    hint = (
-      '. If it is a running statistic of a normalisation layer (nnx.BatchNorm) mapped over examples, '
-      "give the layer axis_name=<the vmap's axis_name> (and the vmap that axis_name) so the "
-      'statistics are averaged over the batch'
-    )
-  if cfg.policy is Policy.RAISE:
-    raise BatchAxisError(
-      f'{what}. Say where the batch axis goes: state_out_axes={{0: {types_code([var])}}} (or map it in '
-      "with state_in_axes), or pass unexpected_out_state_mapping='warn' or 'ignore' to stack it "
-      f'on axis 0{hint}'
-    )
-  if cfg.policy is Policy.WARN:
-    warnings.warn(
-      f'{what}: it is stacked on axis 0. Declare state_out_axes={{0: {types_code([var])}}} to say so '
-      f'and silence this warning{hint}',
-      UserWarning,
-      stacklevel=_user_stacklevel(),
-    )
-  return 0
-
-
-def _user_stacklevel() -> int:
-  """The ``warnings.warn`` stacklevel of the first frame outside brainnx, jax and flax."""
-  frame, level = sys._getframe(1), 1
-  while frame is not None and frame.f_code.co_filename.startswith(LIBRARY_DIRS):
-    frame, level = frame.f_back, level + 1
-  return level
-
-
-def _place(value, axis, unstacked: bool = False):
-  """Move the batch axis (0) of every leaf to ``axis``, or keep one copy (``ONCE``).
-
-  ``unstacked``: the mapping already gave values placed ``ONCE`` without a batch axis (an
-  empty batch, mapped with ``out_axes=None`` for them: there is no element 0 to take).
-  """
-  if axis is ONCE:
-    return value if unstacked else jax.tree.map(lambda x: x[0], value)
-  if axis == 0:
-    return value
-  return jax.tree.map(lambda x: jnp.moveaxis(x, 0, axis), value)
-
-
-def _one_of_zeros(tree, axes):
-  """A zero-size batch as a batch of one element of zeros, for ``pmap`` (which cannot map
-  nothing), so values that do not depend on the batch can still be computed."""
-  def grow(x, axis):
-    if axis is None:
-      return x
-    shape = list(jnp.shape(x))
-    shape[axis] = 1
-    return jnp.zeros(shape, jnp.result_type(x))
-
-  return [jax.tree.map(lambda x, a=a: grow(x, a), t) for t, a in zip(tree, axes)]
-
-
-def _out_leaf_axes(cfg: VmapConfig, spec) -> list:
-  """The out-axis of every output leaf; a Module created inside takes ``out_axes``, except
-  Variables of it that ``state_out_axes`` places (``None``: one shared copy)."""
-  markers = jax.tree.unflatten(spec.treedef, list(range(spec.treedef.num_leaves)))
-  flat = jax.tree_util.tree_flatten_with_path(markers)[0]
-  axes = []
-  for (path, _), slot in zip(flat, spec.slots):
-    axis = _axis_at(cfg.out_axes, tuple(key_name(k) for k in path), 'out_axes')
-    if type(slot) is Leaf:
-      axes.append(axis)
-    elif type(slot) is New:
-      for var_path, var in slot.leaf_vars:
-        hit, declared = cfg.state_out.axis_of(var_path, var)
-        axes.append(declared if hit else axis)
-  return axes
-
-
-def _check_unbatched_outputs(cfg: VmapConfig, spec, leaves: list, axes: list, batched) -> None:
-  """An output placed unbatched (``out_axes=None``, or ``state_out_axes=None`` for a Variable of
-  a Module created inside) that depends on the batch: ``BatchAxisError`` naming the Variable, or
-  ``ValueError`` for a plain output."""
-  it = iter(zip(leaves, axes))
-  for slot in spec.slots:
-    if type(slot) is Leaf:
-      leaf, axis = next(it)
-      if axis is None and batched(leaf):
-        raise ValueError(f'{cfg.name}: an output has out_axes=None but depends on the batch')
-    elif type(slot) is New:
-      for var_path, var in slot.leaf_vars:
-        leaf, axis = next(it)
-        if axis is None and batched(leaf):
-          declared, rule = cfg.state_out.axis_of(var_path, var)
-          how = 'state_out_axes=None (one shared copy)' if declared else 'out_axes=None'
-          raise BatchAxisError(
-            f'{cfg.name}: {type(var).__name__} at {tuple(var_path)!r} of the {_created_type(slot.graphdef)} created '
-            f'inside is declared {how} but its value differs per batch element: give it a batch axis, '
-            f'e.g. state_out_axes={{0: {types_code([var])}}}, or make it independent of the batch'
-          )
-
-
-def _created_type(graphdef) -> str:
-  """The class name of the node a graphdef describes (its root node), else ``'Module'``."""
-  nodes = getattr(graphdef, 'nodes', None)
-  root_type = getattr(nodes[0], 'type', None) if nodes else None
-  return root_type.__name__ if isinstance(root_type, type) else 'Module'
-
-
-def _warn_identical_members(cfg: VmapConfig, spec, leaves: list, axes: list, batched) -> None:
-  """Warn when no Param of a Module created inside depends on the batch: every member of the
-  stack would be the same (an ``nnx.Rngs`` made inside the mapped function)."""
-  it = iter(zip(leaves, axes))
-  for slot in spec.slots:
-    if type(slot) is Leaf:
-      next(it)
-    elif type(slot) is New:
-      params = []
-      for (path, var), (leaf, axis) in zip(slot.leaf_vars, [next(it) for _ in slot.leaf_vars]):
-        if isinstance(var, nnx.Param) and axis is not None:
-          params.append((path, var, batched(leaf), jnp.ndim(leaf) >= 2))
-      # a kernel (2-D or more, randomly initialised in flax) the same for every member is the
-      # sign; a constant scale or zero bias alone (nnx.BatchNorm) is not
-      if params and not any(p[2] for p in params) and any(p[3] for p in params):
-        path, var, _, _ = next(p for p in params if p[3])
-        warnings.warn(
-          f'{cfg.name}: no Param of the {slot.graphdef.type.__name__ if hasattr(slot.graphdef, "type") else "Module"} '
-          f'created inside depends on the batch, so all members are identical (first: '
-          f'{type(var).__name__} at {tuple(path)!r}). Its nnx.Rngs was probably created inside the '
-          'mapped function: create it outside (rngs = nnx.Rngs(0); vmap(lambda: Model(rngs=rngs), '
-          'axis_size=n)()), or keep one shared copy with state_out_axes={None: nnx.Param}',
-          UserWarning,
-          stacklevel=_user_stacklevel(),
-        )
-
-
-@dataclasses.dataclass
-class _Decisions:
-  """What the mapped body found out about one call, decided on its first trace."""
-
-  attachments: Attachments  # what the call attached (one stand-in per created leaf)
-  out_spec: OutSpec
-  written: list  # discovery indices written (RNG streams excluded)
-  placement: list  # per written Variable: an int axis or ONCE
-  new_placement: list  # per new Variable
-  out_axes: list  # per output leaf
 
 
 def mapped_call(cfg: VmapConfig, args: tuple, kwargs: dict):
   """One mapped call inside the current trace (see module docstring)."""
   stateful = StatefulCall.enter(cfg.fn, args, kwargs, name=cfg.name, statics=cfg.statics, creates='keep')
   disc, values = stateful.disc, stateful.values
-  layout = _layout(cfg, disc, stateful.call, args, kwargs)
+  layout = batch_layout(cfg, disc, stateful.call, args, kwargs)
   size = layout.size
   dyn_in = stateful.call.dyn
   # jax caches pmapped functions by identity, keeping ``body`` alive: it must not hold tracers
@@ -569,8 +124,8 @@ def mapped_call(cfg: VmapConfig, args: tuple, kwargs: dict):
   empty = layout.size == 0
   if pad:
     split = {k for k, _ in layout.split_streams}
-    state_in = [x if i in split else _one_of_zeros([x], [a])[0] for i, (x, a) in enumerate(zip(state_in, layout.state_axes))]
-    dyn_in = tuple(_one_of_zeros(list(dyn_in), list(layout.dyn_axes)))
+    state_in = [x if i in split else one_of_zeros([x], [a])[0] for i, (x, a) in enumerate(zip(state_in, layout.state_axes))]
+    dyn_in = tuple(one_of_zeros(list(dyn_in), list(layout.dyn_axes)))
     layout = dataclasses.replace(layout, size=1)
   decisions = Record(cfg.name)  # set by the first trace of ``body``; pmap traces twice
 
@@ -581,15 +136,15 @@ def mapped_call(cfg: VmapConfig, args: tuple, kwargs: dict):
     written = [i for i in step.written if i not in stream_vars]
     if not decisions.is_set:  # pmap: decisions come from the abstract vmap pass
       batched = lambda x: any(_compat.is_batched_here(leaf, trace) for leaf in jax.tree.leaves(x))  # noqa: E731
-      out_axes = _out_leaf_axes(cfg, out_spec)
-      _check_unbatched_outputs(cfg, out_spec, out_leaves, out_axes, batched)
-      _warn_identical_members(cfg, out_spec, out_leaves, out_axes, batched)
-      decisions.set(_Decisions(
+      out_axes = out_leaf_axes(cfg, out_spec)
+      check_unbatched_outputs(cfg, out_spec, out_leaves, out_axes, batched)
+      warn_identical_members(cfg, out_spec, out_leaves, out_axes, batched)
+      decisions.set(Decisions(
         attachments=step.attachments,
         out_spec=out_spec,
         written=written,
-        placement=[_decide(cfg, disc, i, layout.state_axes[i], batched(step.values[i])) for i in written],
-        new_placement=[_new_var_axis(cfg, v, batched(x)) for v, x in zip(step.new_vars, step.new_values)],
+        placement=[written_axis(cfg, disc, i, layout.state_axes[i], batched(step.values[i])) for i in written],
+        new_placement=[created_axis(cfg, v, batched(x)) for v, x in zip(step.new_vars, step.new_values)],
         out_axes=out_axes,
       ))
     return [step.values[i] for i in written], step.new_values, out_leaves
@@ -618,11 +173,11 @@ def mapped_call(cfg: VmapConfig, args: tuple, kwargs: dict):
       vmap_checks.raise_clearer(cfg.name, e)
       raise
     decided = decisions.get()
-    _check_out_rules(cfg, disc, decided)
+    check_out_rules(cfg, disc, decided)
     def place(value, axis):
       if pad and axis is not ONCE:  # the padded element goes: back to no elements
         value = jax.tree.map(lambda x: x[:0], value)
-      return _place(value, axis, unstacked=empty and not pad)
+      return place_batched(value, axis, unstacked=empty and not pad)
 
     written_now = [place(v, a) for v, a in zip(written_vals, decided.placement)]
     new_now = [place(v, a) for v, a in zip(new_vals, decided.new_placement)]
@@ -634,58 +189,11 @@ def mapped_call(cfg: VmapConfig, args: tuple, kwargs: dict):
     for v, axis in zip(attached, decided.new_placement):
       if v is not None and axis is not ONCE:
         v.set_metadata(tag=cfg.state_tag)
-  _mark_stacked(cfg, decided, result, size, attached)
+  mark_created_stacked(cfg, decided, result, size, attached)
   return result
 
 
-def _check_out_rules(cfg: VmapConfig, disc: Discovery, decided: '_Decisions') -> None:
-  """Every ``state_out_axes`` entry must match a Variable reached, created or returned."""
-  named = list(zip(disc.paths, disc.variables)) + [((), v) for v in decided.attachments.stand_ins]
-  for slot in decided.out_spec.new_nodes():
-    named.extend(slot.leaf_vars)
-  vmap_checks.check_rules_reach(cfg.name, cfg.state_out, named, 'the function reaches or creates')
-
-
-def _mark_stacked(cfg: VmapConfig, decided: '_Decisions', result, size: int, attached: list) -> None:
-  """Record the batch axis on every Variable this call built stacked: those of Modules created
-  inside and returned, and those created inside that come out batched (``vmap_new_states``)."""
-  vmap_checks.mark_results(decided.out_spec, result, decided.out_axes, size, cfg.partition_name)
-  if not cfg.new_states:  # a sown Intermediate under plain vmap stays as flax would give it
-    return
-  for v, axis in zip(attached, decided.new_placement):
-    if v is not None and axis is not ONCE:
-      mark_stacked(v, axis, size, cfg.partition_name)
-
-
-def _new_var_axis(cfg: VmapConfig, variable, batched: bool):
-  """Where a Variable created inside the call goes: ``state_out_axes`` first, as for others."""
-  hit, axis = cfg.state_out.axis_of((), variable)
-  if hit:
-    if axis is None and batched:
-      raise BatchAxisError(
-        f'{cfg.name}: a {type(variable).__name__} created inside the mapped function is declared '
-        'state_out_axes=None (one shared copy) but differs per batch element'
-      )
-    return ONCE if axis is None else axis
-  if not cfg.new_states:
-    if batched and cfg.policy is Policy.RAISE:
-      raise BatchAxisError(
-        f'{cfg.name}: a {type(variable).__name__} created inside the mapped function differs per '
-        'batch element: create it with brainnx.vmap_new_states to get it stacked'
-      )
-    return 0 if batched else ONCE
-  exclude = cfg.state_to_exclude
-  if exclude is not None and exclude.axis_of((), variable)[0]:
-    if batched:
-      raise BatchAxisError(
-        f'vmap_new_states: {type(variable).__name__} matches state_to_exclude (replicated) but its '
-        'value differs per batch element: it must not depend on the batch'
-      )
-    return ONCE
-  return 0
-
-
-def _vmap_of(cfg: VmapConfig, layout: _Layout, body, out_axes=0):
+def _vmap_of(cfg: VmapConfig, layout: BatchLayout, body, out_axes=0):
   return jax.vmap(
     body,
     in_axes=(layout.state_axes, layout.dyn_axes),
@@ -696,7 +204,7 @@ def _vmap_of(cfg: VmapConfig, layout: _Layout, body, out_axes=0):
   )
 
 
-def _pmap_of(cfg: VmapConfig, layout: _Layout, body):
+def _pmap_of(cfg: VmapConfig, layout: BatchLayout, body):
   return jax.pmap(
     body,
     axis_name=cfg.axis_name,
@@ -707,40 +215,13 @@ def _pmap_of(cfg: VmapConfig, layout: _Layout, body):
   )
 
 
-def _partition_name(transform_metadata, name: str):
-  """The mesh axis ``transform_metadata`` (flax's ``{nnx.PARTITION_NAME: axis}``) gives the
-  stacked axis; ``None`` without it."""
-  if transform_metadata is None:
-    return None
-  if not isinstance(transform_metadata, dict) or set(transform_metadata) - {nnx.PARTITION_NAME}:
-    raise TypeError(
-      f'{name}: transform_metadata must be a dict {{nnx.PARTITION_NAME: mesh axis or None}} (the only '
-      f'key brainnx reads), got {transform_metadata!r}'
-    )
-  return transform_metadata.get(nnx.PARTITION_NAME)
-
-
-def vmap_config(name: str, *, state_in_axes, state_out_axes, unexpected_out_state_mapping, **fields) -> VmapConfig:
-  """A ``VmapConfig`` from mapping transform ``name``'s public keywords (rules and policy
-  normalised; an ``nnx.StateAxes`` in ``in_axes`` becomes the ``state_in_axes`` entries it means)."""
-  fields['in_axes'], from_in_axes = vmap_checks.split_state_axes(fields.get('in_axes', 0))
-  return VmapConfig(
-    name=fields.get('mapper', Mapper.VMAP).value,
-    fn=None,
-    state_in=from_in_axes + AxisRules(state_in_axes, 'state_in_axes', name),
-    state_out=AxisRules(state_out_axes, 'state_out_axes', name),
-    policy=Policy.of(unexpected_out_state_mapping),
-    **fields,
-  )
-
-
 def mapped(name: str, fn: Callable | None, config: VmapConfig):
   """A ``MappedFunction`` of ``fn`` with ``config``, or a decorator when ``fn`` is None."""
   if fn is None:
     return lambda f: mapped(name, f, config)
   check_callable(fn, name)
   size = config.axis_size
-  if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+  if size is not None and (not is_int(size) or size < 0):
     raise ValueError(f'{name}: axis_size must be a non-negative int, got axis_size={size!r}')
   return MappedFunction(dataclasses.replace(config, fn=fn))
 
@@ -843,7 +324,7 @@ def vmap(
     state_in_axes=state_in_axes,
     state_out_axes=state_out_axes,
     unexpected_out_state_mapping=unexpected_out_state_mapping,
-    partition_name=_partition_name(transform_metadata, 'vmap'),
+    partition_name=partition_name(transform_metadata, 'vmap'),
   )
   return mapped('vmap', fn, config)
 
@@ -934,7 +415,7 @@ def vmap_new_states(
     unexpected_out_state_mapping=unexpected_out_state_mapping,
     new_states=True,
     state_tag=state_tag,
-    partition_name=_partition_name(transform_metadata, 'vmap_new_states'),
+    partition_name=partition_name(transform_metadata, 'vmap_new_states'),
     state_to_exclude=AxisRules(state_to_exclude, 'state_to_exclude', 'vmap_new_states') if state_to_exclude is not None else None,
   )
   return mapped('vmap_new_states', fun, config)

@@ -1,0 +1,164 @@
+"""What the demo writes: checkpoints of a training run (resumed after an interruption) and
+the plot of Figure 1's four panels.
+
+Example:
+  >>> from brainnx.examples.ensemble_output import resolve_out
+  >>> str(resolve_out('results/')), str(resolve_out('fig.pdf'))
+  ('results/ensemble.png', 'fig.pdf')
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from brainnx.examples.ensemble import DATA_RANGE, GRID_RANGE, panel_prediction, std_report, target
+
+
+class Checkpoints:
+  """Orbax checkpoints of ``{'model', 'optimizers', 'record'}`` plus the run's settings.
+
+  Each checkpoint is a step folder of ``directory`` (the latest two are kept);
+  ``record`` is fixed-size (``first``, ``last``: each network's first and latest
+  loss), so every save writes the same number of bytes. The losses of every
+  step go to ``directory/losses.f32`` (float32, ``networks`` per step),
+  appended once per chunk. ``restore`` loads into the given (freshly built)
+  ensemble and optimizers with ``nnx.update``, so the Variables keep their
+  identity.
+  """
+
+  def __init__(self, directory: Path, settings: dict, networks: int):
+    import orbax.checkpoint as ocp  # imported here: only runs that checkpoint pay for it
+
+    self._ocp = ocp
+    self.settings = settings
+    self.networks = networks
+    self.directory = Path(directory).absolute()
+    self.manager = ocp.CheckpointManager(
+      self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+    )
+    self.log = self.directory / 'losses.f32'
+
+  def latest_step(self):
+    return self.manager.latest_step()
+
+  def saved_settings(self, step: int) -> dict:
+    ocp = self._ocp
+    return dict(self.manager.restore(step, args=ocp.args.Composite(settings=ocp.args.JsonRestore())).settings)
+
+  def append_losses(self, losses: np.ndarray) -> None:
+    with open(self.log, 'ab') as f:
+      f.write(np.asarray(losses, '<f4').tobytes())
+
+  def save(self, step: int, ensemble, optimizers, record: dict) -> None:
+    ocp = self._ocp
+    state = {'model': nnx.state(ensemble), 'optimizers': nnx.state(optimizers), 'record': record}
+    self.manager.save(step, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state), settings=ocp.args.JsonSave(self.settings)))
+    self.manager.wait_until_finished()
+
+  def restore(self, step: int, ensemble, optimizers) -> dict:
+    ocp = self._ocp
+    record = {'first': np.zeros(self.networks, np.float32), 'last': np.zeros(self.networks, np.float32)}
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {
+      'model': nnx.state(ensemble), 'optimizers': nnx.state(optimizers), 'record': record})
+    state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))).state
+    nnx.update(ensemble, state['model'])
+    nnx.update(optimizers, state['optimizers'])
+    # a run stopped between appending a chunk's losses and saving its checkpoint logged steps
+    # that the checkpoint does not hold: they are trained again, so drop them from the log
+    keep = step * self.networks * 4
+    if self.log.exists() and self.log.stat().st_size > keep:
+      os.truncate(self.log, keep)
+    return {k: np.asarray(v) for k, v in state['record'].items()}
+
+  def losses(self, step: int) -> np.ndarray:
+    """The logged losses of steps ``1..step``, shape ``(step, networks)`` (NaN where the log lacks them)."""
+    members = self.networks
+    logged = np.fromfile(self.log, '<f4') if self.log.exists() else np.zeros(0, np.float32)
+    out = np.full(step * members, np.nan, np.float32)
+    out[: min(len(logged), len(out))] = logged[: len(out)]
+    return out.reshape(step, members)
+
+  def close(self) -> None:
+    self.manager.close()
+
+
+IMAGE_SUFFIXES = ('.png', '.pdf', '.svg', '.jpg', '.jpeg')
+
+
+def resolve_out(out: str) -> Path:
+  """``--out``: an image path (``.png``, ``.pdf``, ``.svg``, ``.jpg``) or a directory for ``ensemble.png``.
+
+  Raises:
+    ValueError: if ``out`` is not an existing directory, does not end with ``/``, and its suffix is
+      not one of those image types (``x.gif`` would otherwise become a directory).
+  """
+  path = Path(out)
+  if path.is_dir() or out.endswith(('/', os.sep)) or not path.suffix:
+    return path / 'ensemble.png'
+  if path.suffix.lower() in IMAGE_SUFFIXES:
+    return path
+  raise ValueError(
+    f'--out {out}: {path.suffix!r} is not an image type the demo writes ({", ".join(IMAGE_SUFFIXES)}); '
+    f'give an image path such as {path.with_suffix(".png")}, or a directory (end it with "/" if its name has a dot)'
+  )
+
+
+def check_writable(png: Path, out: str, parser) -> None:
+  """Create ``png``'s missing parent directories and check that the plot can be written there,
+  as an argparse error (exit 2) naming ``--out``."""
+  try:
+    png.parent.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    parser.error(f'--out {out}: cannot create the directory {png.parent} ({e.strerror})')
+  if not os.access(png.parent, os.W_OK) or (png.exists() and not os.access(png, os.W_OK)):
+    parser.error(f'--out {out}: {png if png.exists() else png.parent} is not writable')
+
+
+def plot(path: Path, panels, preds: np.ndarray, data) -> None:
+  """The four panels side by side, as the paper's Figure 1: data, truth, each network's mean, and
+  the panel's predictive mean ± 3 std."""
+  import matplotlib
+
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  x, y, grid = (np.asarray(a) for a in data)
+  g = grid[:, 0]
+  fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), sharey=True)
+  for ax, panel in zip(axes, panels):
+    mean, std = panel_prediction(panel, preds)
+    report = std_report(grid, mean, std)
+    ax.axvspan(-GRID_RANGE, -DATA_RANGE, color='0.93', lw=0)
+    ax.axvspan(DATA_RANGE, GRID_RANGE, color='0.93', lw=0, label='no data')
+    ax.fill_between(g, mean - 3 * std, mean + 3 * std, color='tab:grey', alpha=0.35, label='mean ± 3 std')
+    if panel.size > 1:
+      for k, p in enumerate(preds[panel.rows, :, 0]):
+        ax.plot(g, p, color='tab:red', alpha=0.3, lw=0.8, label='network means' if k == 0 else None)
+    ax.plot(g, mean, color='tab:red', lw=2, label='predictive mean')
+    ax.plot(g, target(g), color='tab:blue', lw=1.5, label='$y = x^3$')
+    ax.scatter(x[:, 0], y[:, 0], s=12, color='black', zorder=3, label='data (20 points)')
+    ax.set_xlim(-GRID_RANGE, GRID_RANGE)
+    ax.set_ylim(-300, 300)
+    ax.set_xlabel('x')
+    ax.set_title(f'{panel.title}\nstd outside / inside: left {report["ratio_left"]:.1f}x, '
+                 f'right {report["ratio_right"]:.1f}x', fontsize=9)
+  axes[0].set_ylabel('y')
+  axes[0].legend(loc='upper left', fontsize=7)
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def have_matplotlib() -> bool:
+  try:
+    import matplotlib  # noqa: F401
+  except ImportError:
+    return False
+  return True
