@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / 'benchmarks' / 'results'
 _NUMBER = r'\d+(?:[.,]\d+)?'
 # a measured figure: a number or a range with a unit (ratios, sizes, times, shares)
-FIGURE = re.compile(rf'(?<![\w.]){_NUMBER}(?:\s?[–-]\s?{_NUMBER})?\s?(?:x|×|MB|MiB|GB|µs|us|ms|s|%)(?![\w])')
+FIGURE = re.compile(rf'(?<![\w.]){_NUMBER}(?:\s?[–-]\s?{_NUMBER})?\s?(?:x|×|MB|MiB|GB|µs|us|ms|s|%|\sframes?)(?![\w])')
 STAMP = re.compile(r'^commit: \S+ · date: .+ · jax \S+ · flax \S+ · .+ · statistic: .+$', re.M)
 
 

@@ -30,16 +30,8 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).parent))
 import brainnx as bnx  # noqa: E402
 from _results import write  # noqa: E402
+from _models import MLP  # noqa: E402
 from _timing import interleaved  # noqa: E402
-
-
-class MLP(nnx.Module):
-  def __init__(self, width, rngs):
-    self.l1 = nnx.Linear(width, width, rngs=rngs)
-    self.l2 = nnx.Linear(width, width, rngs=rngs)
-
-  def __call__(self, x):
-    return self.l2(jnp.tanh(self.l1(x)))
 
 
 def _loss(model, x):
@@ -47,7 +39,7 @@ def _loss(model, x):
 
 
 def brainnx_step(width, donate):
-  model = MLP(width, nnx.Rngs(0))
+  model = MLP(width, width, width, rngs=nnx.Rngs(0), act=jnp.tanh)
   opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
 
   def step(x):
@@ -59,7 +51,7 @@ def brainnx_step(width, donate):
 
 
 def pure_step(width, donate):
-  model = MLP(width, nnx.Rngs(0))
+  model = MLP(width, width, width, rngs=nnx.Rngs(0), act=jnp.tanh)
   graphdef, params = nnx.split(model, nnx.Param)
   tx = optax.adam(1e-3)
   state = {'params': params, 'opt': tx.init(params)}

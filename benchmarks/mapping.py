@@ -30,6 +30,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).parent))
 import _peers  # noqa: E402
 from _results import write  # noqa: E402
+from _models import MLP, pure_mlp  # noqa: E402
 from _timing import interleaved, table  # noqa: E402
 
 import brainnx as bnx  # noqa: E402
@@ -37,30 +38,16 @@ import brainnx as bnx  # noqa: E402
 MEMBERS = 8
 
 
-class MLP(nnx.Module):
-  def __init__(self, rngs):
-    self.l1 = nnx.Linear(32, 64, rngs=rngs)
-    self.l2 = nnx.Linear(64, 32, rngs=rngs)
-
-  def __call__(self, x):
-    return self.l2(jax.nn.relu(self.l1(x)))
-
-
-def pure(p, x):
-  h = jax.nn.relu(x @ p['l1']['kernel'] + p['l1']['bias'])
-  return h @ p['l2']['kernel'] + p['l2']['bias']
-
-
 def pure_flat(k1, b1, k2, b2, x):
-  return pure({'l1': {'kernel': k1, 'bias': b1}, 'l2': {'kernel': k2, 'bias': b2}}, x)
+  return pure_mlp({'l1': {'kernel': k1, 'bias': b1}, 'l2': {'kernel': k2, 'bias': b2}}, x)
 
 
 def variants():
   rngs = nnx.Rngs(0)
-  ens = bnx.vmap(lambda: MLP(rngs), axis_size=MEMBERS)()
+  ens = bnx.vmap(lambda: MLP(32, 64, 32, rngs=rngs), axis_size=MEMBERS)()
   x = jnp.ones((16, 32))
   params = {n: {'kernel': getattr(ens, n).kernel[...], 'bias': getattr(ens, n).bias[...]} for n in ('l1', 'l2')}
-  raw = jax.jit(jax.vmap(pure, in_axes=(0, None)))
+  raw = jax.jit(jax.vmap(pure_mlp, in_axes=(0, None)))
   flat = [params[n][k] for n in ('l1', 'l2') for k in ('kernel', 'bias')]
   raw_flat = jax.jit(jax.vmap(pure_flat, in_axes=(0, 0, 0, 0, None)))
   closure = bnx.jit(bnx.vmap(lambda x: ens(x), in_axes=None, state_in_axes={0: nnx.Param}))
@@ -94,7 +81,7 @@ def variants():
 def one_off_variants():
   """Eager calls of a function made anew each call (a one-off), against a reused one."""
   rngs = nnx.Rngs(0)
-  ens = bnx.vmap(lambda: MLP(rngs), axis_size=MEMBERS)()
+  ens = bnx.vmap(lambda: MLP(32, 64, 32, rngs=rngs), axis_size=MEMBERS)()
   flax_ens = nnx.merge(*nnx.split(ens))
   x = jnp.ones((16, 32))
   reused = bnx.vmap(lambda m, x: m(x), in_axes=(0, None))

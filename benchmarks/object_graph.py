@@ -37,18 +37,10 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _results import publish  # noqa: E402
+from _models import MLP  # noqa: E402
 from _timing import interleaved, table  # noqa: E402
 
 import brainnx as bnx  # noqa: E402
-
-
-class MLP(nnx.Module):
-  def __init__(self, rngs):
-    self.l1 = nnx.Linear(32, 32, rngs=rngs)
-    self.l2 = nnx.Linear(32, 32, rngs=rngs)
-
-  def __call__(self, x):
-    return self.l2(jax.nn.relu(self.l1(x)))
 
 
 class Recording(MLP):
@@ -64,7 +56,7 @@ def _same(a, b) -> None:
 
 
 def warm_calls(rounds: int, calls: int) -> dict:
-  model = MLP(nnx.Rngs(0))
+  model = MLP(32, 32, 32, rngs=nnx.Rngs(0))
   x = jnp.ones((16, 32))
   arrays = [model.l1.kernel[...], model.l1.bias[...], model.l2.kernel[...], model.l2.bias[...]]
   raw = jax.jit(lambda k1, b1, k2, b2, x: jax.nn.relu(x @ k1 + b1) @ k2 + b2)
@@ -104,7 +96,7 @@ def creating_calls(rounds: int, calls: int) -> dict:
 
 
 def attaching_calls(rounds: int, calls: int) -> dict:
-  models = {name: Recording(nnx.Rngs(0)) for name in ('raw', 'ours', 'theirs')}
+  models = {name: Recording(32, 32, 32, rngs=nnx.Rngs(0)) for name in ('raw', 'ours', 'theirs')}
   x = jnp.ones((16, 32))
   arrays = [models['raw'].l1.kernel[...], models['raw'].l1.bias[...], models['raw'].l2.kernel[...], models['raw'].l2.bias[...]]
 

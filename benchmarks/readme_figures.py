@@ -11,6 +11,7 @@ DEMO = ('demo_resources.md', 'Demo and property tests')
 SEEDS = ('figure1_seeds.md', 'The four panels at the default flags')
 OVERHEAD_2 = ('overhead.md', '2-layer MLP 32x32, batch 16')
 OVERHEAD_100 = ('overhead.md', '100-layer stack, 10 rounds')
+FRAMES = ('frames.md', 'Python frames per warm call')
 GRAPH_WARM = ('object_graph.md', 'Warm call')
 GRAPH_NEW = ('object_graph.md', 'Creates and returns')
 GRAPH_ATTACH = ('object_graph.md', 'Attaches an nnx.Intermediate')
@@ -52,6 +53,12 @@ LEDGER = [
   ('87.6 µs', *OVERHEAD_100, 'brainnx.jit (arg)', 'µs (median)'),
   ('89.3 µs', *OVERHEAD_100, 'raw jax.jit', 'µs (median)'),
   ('7730.9 µs', *OVERHEAD_100, 'nnx.jit', 'µs (median)'),
+  ('4 frames', *FRAMES, 'brainnx.jit', 'frames'),
+  ('9 frames', *FRAMES, 'brainnx.vmap', 'frames'),
+  ('757 frames', *FRAMES, 'nnx.jit', 'frames'),
+  ('90 frames', *FRAMES, 'equinox.filter_jit', 'frames'),
+  ('91 frames', *FRAMES, 'equinox.filter_jit(filter_vmap)', 'frames'),
+  ('1 frame', *FRAMES, 'jax.jit, pure pytree', 'frames'),
   ('19.5 µs', *GRAPH_WARM, 'brainnx.jit', 'µs (median)'),
   ('20.3 µs', *GRAPH_WARM, 'raw jax.jit, flat', 'µs (median)'),
   ('65.0 µs', *GRAPH_NEW, 'brainnx.jit', 'µs (median)'),

@@ -5,7 +5,7 @@
     python benchmarks/run_all.py --only donation mapping
 
 Each run of each script is a fresh process. Scripts that write their own stamped table
-(donation, mapping, overhead, checkpoint_memory; transformer writes one run's, rewritten with every run's here; scaling and sharded_ensemble write theirs unstamped so far) do so; for those that print tables, the printed tables of every
+(donation, mapping, overhead, checkpoint_memory, frames; transformer writes one run's, rewritten with every run's here; scaling and sharded_ensemble write theirs unstamped so far) do so; for those that print tables, the printed tables of every
 run are written to ``results/<script>.md`` under one stamp naming that script, run by run, so
 a README range is the min-max of the per-run medians, tabulated at the end of the file. Then ``check_readme.py`` lists any README
 figure that no stamped table holds.
@@ -39,6 +39,7 @@ SCRIPTS = {
   'figure1_seeds': ([], ['--seeds', '3'], True),
   'many_variables': ([], ['--quick'], True),
   'first_call': ([], ['--rounds', '1', '--trials', '1', '--depths', '20'], True),
+  'frames': ([], [], True),
 }
 
 

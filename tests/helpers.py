@@ -1,6 +1,10 @@
 """Small models and comparison helpers shared by the tests."""
 
 import functools
+import os
+import socket
+import subprocess
+import sys
 import threading
 
 import jax
@@ -183,3 +187,34 @@ class SideBySidePage:
     namespace = {'__name__': f'{self.path.stem}_{row}_{side}'.replace('-', '_')}
     exec(compile(self.found[row, side], f'docs/{self.path.name} [{side}: {row}]', 'exec'), namespace)
     return namespace
+
+
+def run_processes(module: str, flags: list, cwd, *, processes: int = 2, devices_each: int = 2,
+                  timeout_s: float = 240) -> list[str]:
+  """``python -m module *flags`` as ``processes`` ``jax.distributed`` processes on 127.0.0.1 (a
+  free port, gloo collectives, ``devices_each`` CPU devices each), bounded by ``timeout_s``:
+  every process must exit 0; returns their logs, process 0's first."""
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices_each}', JAX_PLATFORMS='cpu')
+  procs = [
+    subprocess.Popen(
+      [sys.executable, '-m', module, *flags, '--distributed', f'127.0.0.1:{port}',
+       '--num-processes', str(processes), '--process-id', str(i)],
+      env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    for i in range(processes)
+  ]
+  logs = []
+  try:
+    for p in procs:
+      logs.append(p.communicate(timeout=timeout_s)[0])
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.communicate()
+  for p, log in zip(procs, logs):
+    assert p.returncode == 0, log[-3000:]
+  return logs

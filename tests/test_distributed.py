@@ -5,50 +5,19 @@ bounded by a timeout; the oracles are the same training in this process on its 4
 the networks trained one by one in plain jax + optax.
 """
 
-import os
-import socket
-import subprocess
-import sys
-
 import jax
 import numpy as np
 
 from brainnx import demo
-from helpers import demo_training_in_plain_jax
+from helpers import demo_training_in_plain_jax, run_processes
 
 TIMEOUT_S = 240
 FLAGS = ['--members', '5', '--steps', '5', '--no-plot']  # 12 networks over 4 devices
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
-
-
 def test_two_processes_train_the_sharded_ensemble_as_one_process_does(tmp_path):
   assert jax.device_count() >= 4, 'the one-process oracle needs the 4 devices that tests/conftest.py forces'
-  port = _free_port()
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2', JAX_PLATFORMS='cpu')
-  procs = [
-    subprocess.Popen(
-      [sys.executable, '-m', 'brainnx.demo', *FLAGS, '--distributed', f'127.0.0.1:{port}',
-       '--num-processes', '2', '--process-id', str(i), '--save', str(tmp_path / 'many.npz')],
-      env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    for i in range(2)
-  ]
-  logs = []
-  try:
-    for p in procs:
-      logs.append(p.communicate(timeout=TIMEOUT_S)[0])
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.communicate()
-  for p, log in zip(procs, logs):
-    assert p.returncode == 0, log[-3000:]
+  logs = run_processes('brainnx.demo', [*FLAGS, '--save', str(tmp_path / 'many.npz')], tmp_path, timeout_s=TIMEOUT_S)
   assert 'on 4 device(s) in 2 process(es)' in logs[0]
 
   demo.main([*FLAGS, '--devices', '4', '--save', str(tmp_path / 'one.npz')])

@@ -197,7 +197,7 @@ def test_scan_reading_the_whole_stack_without_a_shape_error_also_raises():
   stack = _layers()
   with pytest.raises(bnx.BatchAxisError, match=r"every step reads the whole stack\. To scan"):
     bnx.scan(lambda c, x: (c + stack.kernel[...].sum() * x, None), 0.0, jnp.ones(4))
-  with pytest.raises(bnx.BatchAxisError, match=r"scan: Param at \('stack', 'kernel'\) is stacked"):
+  with pytest.raises(bnx.BatchAxisError, match=r"for_loop: Param at \('stack', 'kernel'\) is stacked"):
     bnx.for_loop(lambda x: stack.kernel[...].sum() * x, jnp.ones(4))
   # held fixed on purpose: every step sees the whole stack
   got = bnx.scan(lambda c, x: (c + stack.kernel[...].sum() * x, None), 0.0, jnp.ones(4), state_in_axes={None: nnx.Param})[0]
@@ -211,6 +211,8 @@ def test_scan_filter_matching_nothing_is_named():
   stack = _layers()
   with pytest.raises(ValueError, match=r"scan: state_in_axes entry \{0: 'params'\} matches none of the Variables the body reaches"):
     bnx.scan(lambda h, _: (stack(h), None), X, None, state_in_axes='params')
+  with pytest.raises(ValueError, match=r"for_loop: state_in_axes entry \{0: 'params'\} matches none of the Variables"):
+    bnx.for_loop(lambda: stack.kernel[...].sum(), state_in_axes='params')
 
 
 def test_training_an_ensemble_step_by_step_is_not_a_scan_over_layers():

@@ -13,10 +13,6 @@ the loss's change in one step (> 1e-2). brainnx and flax on the same mesh
 lower to the same arithmetic and agree to ``1e-6``.
 """
 
-import os
-import socket
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import brainnx as bnx
 from brainnx.examples import transformer as tf
+from helpers import run_processes
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason='needs 4 devices (tests/conftest.py forces them on CPU)')
 
@@ -121,40 +118,15 @@ def test_the_donated_step_lets_xla_reuse_the_state_buffers():
   assert aliased[False] == 0 and aliased[True] >= 3 * params  # parameters and both adamw moments
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
-
-
 DISTRIBUTED_STEPS = 3  # the losses of steps 1-2 follow the updated, sharded state
 SMALL = tf.Config(layers=2, width=32, heads=2, seq=16, batch=4)  # two processes compile it quickly
 
 
 def test_two_processes_train_as_one_whether_built_inside_or_outside_the_mesh(tmp_path):
-  port = _free_port()
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2', JAX_PLATFORMS='cpu')
   out = tmp_path / 'many.npz'
-  procs = [
-    subprocess.Popen(
-      [sys.executable, '-m', 'brainnx.examples.transformer', '--steps', str(DISTRIBUTED_STEPS), '--build', 'both',
-       '--size', *map(str, (SMALL.layers, SMALL.width, SMALL.seq, SMALL.batch)),
-       '--distributed', f'127.0.0.1:{port}', '--num-processes', '2', '--process-id', str(i), '--save', str(out)],
-      env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    for i in range(2)
-  ]
-  logs = []
-  try:
-    for p in procs:
-      logs.append(p.communicate(timeout=TIMEOUT_S)[0])
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.communicate()
-  for p, log in zip(procs, logs):
-    assert p.returncode == 0, log[-3000:]
+  size = map(str, (SMALL.layers, SMALL.width, SMALL.seq, SMALL.batch))
+  flags = ['--steps', str(DISTRIBUTED_STEPS), '--build', 'both', '--size', *size, '--save', str(out)]
+  logs = run_processes('brainnx.examples.transformer', flags, tmp_path, timeout_s=TIMEOUT_S)
   assert 'on 4 device(s) in 2 process(es)' in logs[0]
   many = np.load(out)
   one_process = tf.train(SMALL, DISTRIBUTED_STEPS, idiom='brainnx', devices=4)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import weakref
-from typing import Any, Callable, Hashable
+from typing import Any, Hashable
 
 import jax
 from flax import nnx
@@ -438,37 +438,38 @@ class _Walker:
 # -- roots reached through a callable ----------------------------------------------
 
 
-def discover(fun: Callable, args: tuple, kwargs: dict) -> Discovery:
-  """Every Variable ``fun(*args, **kwargs)`` can reach, in discovery order.
+def discover(roots: Any, args: tuple, kwargs: dict) -> Discovery:
+  """Every Variable a call of ``roots`` with ``(*args, **kwargs)`` can reach, in discovery order.
 
-  Arguments come first (positional by index, then keywords by name), then
-  what ``fun`` captures. Raises ``TypeError`` naming a Variable created
-  with ``hijax=True`` or ``ref=True``.
+  ``roots`` is the function called, or a sequence of what the call runs and reads (the branches
+  of a ``switch``, a transform object and the Modules it differentiates). Arguments come first
+  (positional by index, then keywords by name), then what the roots capture. Raises
+  ``TypeError`` naming a Variable created with ``hijax=True`` or ``ref=True``.
   """
   walker = _Walker()
-  roots = RootFinder(walker)
+  finder = RootFinder(walker)
   for i, a in enumerate(args):
-    roots.roots.append(Root(i, RootKind.ARG))
-    walker.walk(a, (i,), len(roots.roots) - 1)
+    finder.roots.append(Root(i, RootKind.ARG))
+    walker.walk(a, (i,), len(finder.roots) - 1)
   for k, a in kwargs.items():
-    roots.roots.append(Root(k, RootKind.KWARG))
-    walker.walk(a, (k,), len(roots.roots) - 1)
-  roots.explore(fun)
+    finder.roots.append(Root(k, RootKind.KWARG))
+    walker.walk(a, (k,), len(finder.roots) - 1)
+  finder.explore(roots)
   return Discovery(
     variables=list(walker.variables),
     paths=tuple(walker.paths),
     root_of=tuple(walker.root_of),
-    roots=tuple(roots.roots),
+    roots=tuple(finder.roots),
     node_refs=tuple(map(weakref.ref, walker.nodes)),
     containers=tuple(walker.watched),
     streams=tuple(walker.streams),
     aliases=tuple(walker.aliases),
-    guard=Guard([c[:2] for c in roots.cells], roots.globals, walker.containers, walker.masks, walker.counted,
+    guard=Guard([c[:2] for c in finder.cells], finder.globals, walker.containers, walker.masks, walker.counted,
                 walker.metadata, walker.owners),
-    signature=(tuple(walker.signature), tuple(roots.captured)),
-    plain=tuple(roots.plain),
+    signature=(tuple(walker.signature), tuple(finder.captured)),
+    plain=tuple(finder.plain),
     container_paths=tuple(walker.watched_paths),
     plain_objects=tuple(walker.plain_objects),
-    names=tuple(('cell', cell, name) for cell, _, name in roots.cells) + tuple(
-      ('global', ns, name) for ns, name, _ in roots.globals),
+    names=tuple(('cell', cell, name) for cell, _, name in finder.cells) + tuple(
+      ('global', ns, name) for ns, name, _ in finder.globals),
   )

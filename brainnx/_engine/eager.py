@@ -97,8 +97,11 @@ def program(impl: Callable, config: Config | None, roots: Sequence[Any], *, disc
   def traced(*args, **kwargs):
     return impl(config, tuple(r() for r in refs), *args, **kwargs)
 
-  source = discover_from if discover_from is not None else _WeakRoots(refs)
-  return JittedFunction(source, options, traced=traced, name=getattr(impl, '__name__', None))
+  if discover_from is not None:
+    live = lambda: discover_from  # noqa: E731 - held as given
+  else:
+    live = lambda: [o for o in (r() for r in refs) if o is not None]  # noqa: E731
+  return JittedFunction(None, options, traced=traced, name=getattr(impl, '__name__', None), roots=live)
 
 
 class _ByIdentity:
@@ -131,20 +134,6 @@ def hashable(config):
   if isinstance(config, dict):
     return ('dict', *((hashable(k), hashable(v)) for k, v in config.items()))
   return _ByIdentity(config)
-
-
-class _WeakRoots:
-  """What discovery explores for weakly held roots: its live objects, via ``__wrapped__``."""
-
-  def __init__(self, refs):
-    self._refs = refs
-
-  def __call__(self, *args, **kwargs):  # never called: a discovery root only
-    raise TypeError('not callable')
-
-  @property
-  def __wrapped__(self):
-    return [o for o in (r() for r in self._refs) if o is not None]
 
 
 def _key_objects(obj) -> tuple:

@@ -90,15 +90,18 @@ def _always_miss(args, kwargs):
 class JittedFunction:
   """The callable ``jit`` returns. See :func:`jit`.
 
-  ``fun`` is what discovery starts from; ``traced`` (default ``fun``) is
-  what runs inside the trace (the transforms pass their own body).
+  ``fun`` is the user's function; ``traced`` (default ``fun``) is what runs
+  inside the trace (the eager entry passes a transform's body), and
+  ``roots()`` (default: ``fun``) what discovery starts from at each cold
+  call (the eager entry's live roots, held weakly).
   """
 
-  def __init__(self, fun, options: JitOptions = JitOptions(), traced=None, name=None):
+  def __init__(self, fun, options: JitOptions = JitOptions(), traced=None, name=None, roots=None):
     self.__wrapped__ = fun
     if callable(fun) and not isinstance(fun, (tuple, list)):
       functools.update_wrapper(self, fun, updated=())
     self._fun = fun
+    self._roots = roots if roots is not None else (lambda: fun)
     self._options = options
     self._donate_argnums = normalize_argnums(options.donate_argnums, 'donate_argnums')
     overlap = set(self._donate_argnums) & set(options.statics.argnums)
@@ -151,7 +154,7 @@ class JittedFunction:
       if all(r() is x for r, x in zip(plan.ref_refs, call.refs)):
         self._warm = plan.warm
         return plan, call.dyn, plan.disc
-    disc = discover(self._fun, args, kwargs)
+    disc = discover(self._roots(), args, kwargs)
     check_values(disc, read_values(disc.variables))
     layout = layout_of(disc, self._options.state_shardings)
     if layout and _compat.at_top_level():

@@ -56,9 +56,9 @@ def _rules(state_in_axes) -> AxisRules:
   return AxisRules(dict(state_in_axes) if state_in_axes is not None else None, 'state_in_axes')
 
 
-def check_rules(disc: Discovery, state_in_axes) -> None:
+def check_rules(disc: Discovery, state_in_axes, name: str) -> None:
   """``ValueError`` naming a ``state_in_axes`` entry that matches none of the Variables reached."""
-  check_rules_reach('scan', _rules(state_in_axes), list(zip(disc.paths, disc.variables)), 'the body reaches')
+  check_rules_reach(name, _rules(state_in_axes), list(zip(disc.paths, disc.variables)), 'the body reaches')
 
 
 def _stacks(disc: Discovery, indices, n: int, rules: AxisRules) -> list[int]:
@@ -74,13 +74,14 @@ def _stacks(disc: Discovery, indices, n: int, rules: AxisRules) -> list[int]:
   return found
 
 
-def _error(disc: Discovery, stacks: Sequence[int], n: int, rules: AxisRules, failure: Exception | None = None) -> BatchAxisError:
+def _error(name: str, disc: Discovery, stacks: Sequence[int], n: int, rules: AxisRules,
+           failure: Exception | None = None) -> BatchAxisError:
   pairs = [(disc.variables[i], stacked_of(disc.variables[i])) for i in stacks]
   mapped, held = stacked_hint(rules, pairs)
   others = [disc.describe(i) for i in stacks[1:4]]
   also = f' (and {", ".join(others)}{" ..." if len(stacks) > 4 else ""})' if others else ''
   return BatchAxisError(
-    f'scan: {disc.describe(stacks[0])}{also} is stacked ({n} members on axis 0, built by a brainnx '
+    f'{name}: {disc.describe(stacks[0])}{also} is stacked ({n} members on axis 0, built by a brainnx '
     f'vmap) and the loop runs {n} steps, but no state_in_axes entry slices it, so every step '
     f'reads the whole stack{f" (and tracing the body failed: {type(failure).__name__}: {failure})" if failure else ""}. '
     'To scan over it, one slice per step (scan over layers), '
@@ -88,20 +89,20 @@ def _error(disc: Discovery, stacks: Sequence[int], n: int, rules: AxisRules, fai
   )
 
 
-def check_read_stacks(disc: Discovery, trace, sliced: Sequence[int], n: int, state_in_axes) -> None:
+def check_read_stacks(disc: Discovery, trace, sliced: Sequence[int], n: int, state_in_axes, name: str) -> None:
   """Refuse stacked Variables of ``n`` members the body reads whole and does not write."""
   rules = _rules(state_in_axes)
-  check_rules_reach('scan', rules, list(zip(disc.paths, disc.variables)), 'the body reaches')
+  check_rules_reach(name, rules, list(zip(disc.paths, disc.variables)), 'the body reaches')
   candidates = [i for i in sorted(trace.read) if i not in trace.written and i not in sliced]
   stacks = _stacks(disc, candidates, n, rules)
   if stacks:
-    raise _error(disc, stacks, n, rules)
+    raise _error(name, disc, stacks, n, rules)
 
 
-def explain_failure(disc: Discovery, n: int, state_in_axes, error: Exception) -> Any:
+def explain_failure(disc: Discovery, n: int, state_in_axes, error: Exception, name: str) -> Any:
   """When tracing the body failed and it reaches stacked Variables of ``n`` members that no rule
   slices, raise the ``BatchAxisError`` that explains it (from ``error``); else return."""
   rules = _rules(state_in_axes)
   stacks = _stacks(disc, range(len(disc.variables)), n, rules)
   if stacks:
-    raise _error(disc, stacks, n, rules, error) from error
+    raise _error(name, disc, stacks, n, rules, error) from error

@@ -237,10 +237,10 @@ def run_scan(config: ScanConfig, f: Callable, bar, init, xs):
     body, n_carry, state = scan_parts(f, init, xs, name, state_in_axes, config.keep_new)
   except Exception as e:
     if layers_check and not isinstance(e, BatchAxisError):
-      layer_checks.explain_failure(discover(f, (init, step_example(xs)), {}), n, state_in_axes, e)
+      layer_checks.explain_failure(discover(f, (init, step_example(xs)), {}), n, state_in_axes, e, name)
     raise
   if layers_check:
-    layer_checks.check_read_stacks(body.disc, body.trace, body.sliced, n, state_in_axes)
+    layer_checks.check_read_stacks(body.disc, body.trace, body.sliced, n, state_in_axes, name)
   stacked = [body.values[i] for i in body.sliced]
   scan_state.check_stacked(body.disc, state, body.values, n, name)
   fixed_values = [body.values[i] for i in body.fixed]
@@ -275,7 +275,7 @@ def run_scan(config: ScanConfig, f: Callable, bar, init, xs):
 def stacked_length(f, init, xs, state_in_axes, name='scan') -> int | None:
   """The loop length a scan over stacked Variables alone takes: their leading axis."""
   disc = discover(f, (init, step_example(xs)), {})
-  layer_checks.check_rules(disc, state_in_axes)
+  layer_checks.check_rules(disc, state_in_axes, name)
   return scan_state.stacked_length(disc, scan_state.step_state(disc, state_in_axes, name))
 
 
