@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from brainnx._engine.config import Config
 from brainnx._engine.eager import call
+from brainnx._engine.filters import AxisRules
 from brainnx._engine.loop_body import all_or_nothing, dyn_leaves, in_python
 from brainnx._engine.nodes import is_int
 from brainnx._transforms import scan_state
@@ -152,7 +153,7 @@ def run_checkpointed(config: CheckpointedConfig, f: Callable, bar, init, xs):
   runner = runner_for(bar or config.pbar, n)
   if in_python() and n:
     return all_or_nothing(f, (init, xs), lambda: python_scan(f, init, xs, n, False, runner))
-  body, n_carry, _ = scan_parts(f, init, xs, name, keep_new=False)
+  body, n_carry, _ = scan_parts(f, init, xs, name, AxisRules(None, 'state_in_axes'), keep_new=False)
 
   xs_leaves = dyn_leaves(xs)
 

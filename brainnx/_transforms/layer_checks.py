@@ -34,14 +34,14 @@ from brainnx._engine.nodes import is_int
 from brainnx._transforms.vmap_checks import check_rules_reach, stacked_hint
 
 
-def from_state_axes(state_axes) -> dict:
+def from_state_axes(state_axes, name: str) -> dict:
   """An ``nnx.StateAxes`` given to ``scan`` as the ``{axis: filter}`` it means; ``nnx.Carry`` is
   refused with what to write (brainnx carries the Variables a body writes by itself)."""
   pairs = []
   for flt, axis in state_axes.items():
     if axis is not None and not is_int(axis):
       raise TypeError(
-        f'scan: nnx.StateAxes entry {{{filter_code(flt) or repr(flt)}: {filter_code(axis) or repr(axis)}}}: '
+        f'{name}: nnx.StateAxes entry {{{filter_code(flt) or repr(flt)}: {filter_code(axis) or repr(axis)}}}: '
         'a brainnx scan carries every Variable its body writes by itself, so there is no nnx.Carry '
         'to give; keep only the stacked entries, e.g. state_in_axes={0: nnx.Param}'
       )
@@ -52,13 +52,9 @@ def from_state_axes(state_axes) -> dict:
   return {axis: flts[0] if len(flts) == 1 else tuple(flts) for axis, flts in grouped.items()}
 
 
-def _rules(state_in_axes) -> AxisRules:
-  return AxisRules(dict(state_in_axes) if state_in_axes is not None else None, 'state_in_axes')
-
-
-def check_rules(disc: Discovery, state_in_axes, name: str) -> None:
+def check_rules(disc: Discovery, rules: AxisRules, name: str) -> None:
   """``ValueError`` naming a ``state_in_axes`` entry that matches none of the Variables reached."""
-  check_rules_reach(name, _rules(state_in_axes), list(zip(disc.paths, disc.variables)), 'the body reaches')
+  check_rules_reach(name, rules, list(zip(disc.paths, disc.variables)), 'the body reaches')
 
 
 def _stacks(disc: Discovery, indices, n: int, rules: AxisRules) -> list[int]:
@@ -89,9 +85,8 @@ def _error(name: str, disc: Discovery, stacks: Sequence[int], n: int, rules: Axi
   )
 
 
-def check_read_stacks(disc: Discovery, trace, sliced: Sequence[int], n: int, state_in_axes, name: str) -> None:
+def check_read_stacks(disc: Discovery, trace, sliced: Sequence[int], n: int, rules: AxisRules, name: str) -> None:
   """Refuse stacked Variables of ``n`` members the body reads whole and does not write."""
-  rules = _rules(state_in_axes)
   check_rules_reach(name, rules, list(zip(disc.paths, disc.variables)), 'the body reaches')
   candidates = [i for i in sorted(trace.read) if i not in trace.written and i not in sliced]
   stacks = _stacks(disc, candidates, n, rules)
@@ -99,10 +94,9 @@ def check_read_stacks(disc: Discovery, trace, sliced: Sequence[int], n: int, sta
     raise _error(name, disc, stacks, n, rules)
 
 
-def explain_failure(disc: Discovery, n: int, state_in_axes, error: Exception, name: str) -> Any:
+def explain_failure(disc: Discovery, n: int, rules: AxisRules, error: Exception, name: str) -> Any:
   """When tracing the body failed and it reaches stacked Variables of ``n`` members that no rule
   slices, raise the ``BatchAxisError`` that explains it (from ``error``); else return."""
-  rules = _rules(state_in_axes)
   stacks = _stacks(disc, range(len(disc.variables)), n, rules)
   if stacks:
     raise _error(name, disc, stacks, n, rules, error) from error

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -32,7 +33,7 @@ from brainnx._engine.nodes import is_graph_node
 from brainnx._engine.config import Config
 from brainnx._engine.eager import call
 from brainnx._engine.errors import BatchAxisError, check_callable
-from brainnx._engine.filters import stacks_exempt
+from brainnx._engine.filters import AxisRules, stacks_exempt
 from brainnx._engine.loop_body import LoopBody, all_or_nothing, dyn_leaves, in_python
 from brainnx._engine.outputs import Leaf
 from brainnx._engine.state import finish_call
@@ -58,6 +59,11 @@ class ScanConfig(Config):
   state_in_axes: tuple | None = None
   layers_check: bool = True
   keep_new: bool = True
+
+  @functools.cached_property
+  def rules(self) -> AxisRules:
+    """``state_in_axes`` as the rules that place each Variable (parsed once per config)."""
+    return AxisRules(dict(self.state_in_axes) if self.state_in_axes is not None else None, 'state_in_axes', self.name)
 
 
 def check_loop_callable(f, name: str) -> None:
@@ -125,10 +131,10 @@ def step_example(xs):
   )
 
 
-def scan_parts(f, init, xs, name, state_in_axes=None, keep_new=True):
+def scan_parts(f, init, xs, name, rules: AxisRules, keep_new=True):
   args = (init, step_example(xs))
   disc = discover(f, args, {})
-  state = scan_state.step_state(disc, state_in_axes, name)
+  state = scan_state.step_state(disc, rules, name)
   body = LoopBody(f, args, name, disc, state.sliced, keep_new=keep_new, fixed=state.fixed)
   n_carry = pair_layout(body, init)
   return body, n_carry, state
@@ -139,7 +145,7 @@ def rules_key(state_in_axes, name: str = 'scan'):
   if state_in_axes is None:
     return None
   if isinstance(state_in_axes, nnx.StateAxes):  # flax's {filter: axis}, in its order
-    state_in_axes = layer_checks.from_state_axes(state_in_axes)
+    state_in_axes = layer_checks.from_state_axes(state_in_axes, name)
   scan_state.check_scan_rules(state_in_axes, name)
   items = state_in_axes.items() if isinstance(state_in_axes, dict) else [(0, state_in_axes)]
   return tuple((axis, tuple(f) if isinstance(f, list) else f) for axis, f in items)
@@ -227,20 +233,20 @@ def run_scan(config: ScanConfig, f: Callable, bar, init, xs):
   name, length, state_in_axes = config.name, config.length, config.state_in_axes
   over_nodes = scan_state.holds_nodes(xs)
   if (state_in_axes is not None or over_nodes) and length is None and not dyn_leaves(xs):
-    length = stacked_length(f, init, xs, state_in_axes, name)
+    length = stacked_length(f, init, xs, config.rules, name)
   n = leading_length(xs, length, name)
   runner = runner_for(bar or config.pbar, n)
   if in_python() and state_in_axes is None and not over_nodes:
     return all_or_nothing(f, (init, xs), lambda: python_scan(f, init, xs, n, config.reverse, runner))
   layers_check = config.layers_check and not stacks_exempt(f)
   try:
-    body, n_carry, state = scan_parts(f, init, xs, name, state_in_axes, config.keep_new)
+    body, n_carry, state = scan_parts(f, init, xs, name, config.rules, config.keep_new)
   except Exception as e:
     if layers_check and not isinstance(e, BatchAxisError):
-      layer_checks.explain_failure(discover(f, (init, step_example(xs)), {}), n, state_in_axes, e, name)
+      layer_checks.explain_failure(discover(f, (init, step_example(xs)), {}), n, config.rules, e, name)
     raise
   if layers_check:
-    layer_checks.check_read_stacks(body.disc, body.trace, body.sliced, n, state_in_axes, name)
+    layer_checks.check_read_stacks(body.disc, body.trace, body.sliced, n, config.rules, name)
   stacked = [body.values[i] for i in body.sliced]
   scan_state.check_stacked(body.disc, state, body.values, n, name)
   fixed_values = [body.values[i] for i in body.fixed]
@@ -272,11 +278,11 @@ def run_scan(config: ScanConfig, f: Callable, bar, init, xs):
   return finish_call(body.disc, body.last_trace.attachments, created, body.trace.out_spec, list(leaves) + list(ys))[0]
 
 
-def stacked_length(f, init, xs, state_in_axes, name='scan') -> int | None:
+def stacked_length(f, init, xs, rules: AxisRules, name: str) -> int | None:
   """The loop length a scan over stacked Variables alone takes: their leading axis."""
   disc = discover(f, (init, step_example(xs)), {})
-  layer_checks.check_rules(disc, state_in_axes, name)
-  return scan_state.stacked_length(disc, scan_state.step_state(disc, state_in_axes, name))
+  layer_checks.check_rules(disc, rules, name)
+  return scan_state.stacked_length(disc, scan_state.step_state(disc, rules, name))
 
 
 def rebuild_part(body: LoopBody, leaves, which: int):

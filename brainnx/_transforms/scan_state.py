@@ -68,10 +68,9 @@ def holds_nodes(xs) -> bool:
   return any(is_graph_node(leaf) for leaf in jax.tree.leaves(xs, is_leaf=is_graph_node))
 
 
-def step_state(disc: Discovery, state_in_axes, name: str) -> StepState:
+def step_state(disc: Discovery, rules: AxisRules, name: str) -> StepState:
   """The sliced and fixed Variables of a body discovered from ``(init, x)``: ``state_in_axes``
-  first, then the Variables of graph nodes in ``x``."""
-  rules = AxisRules(dict(state_in_axes) if state_in_axes is not None else None, 'state_in_axes')
+  (its ``rules``) first, then the Variables of graph nodes in ``x``."""
   sliced, fixed, from_xs = [], [], set()
   for i, (path, var) in enumerate(zip(disc.paths, disc.variables)):
     hit, axis = rules.axis_of(path, var)
