@@ -20,7 +20,7 @@ TIMEOUT_S = 600
 _VOLATILE = [
   (re.compile(r'\[\d\d:\d\d(?::\d\d)?<[^\]]*\]'), '[elapsed]'),  # tqdm's [00:01<00:02, 38.0it/s]
   (re.compile(r'\d+(?:\.\d+)?\s?(?:it/s|s/it)'), '<rate>'),
-  (re.compile(r'\b\d+(?:\.\d+)?\s?(?:s|ms|µs|us)\b'), '<time>'),
+  (re.compile(r' *\b\d+(?:\.\d+)?\s?(?:s|ms|µs|us)\b'), ' <time>'),  # with its padding: a column of times
   (re.compile(r'0x[0-9a-fA-F]+'), '0x…'),
 ]
 _NUMBER = re.compile(r'[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?')

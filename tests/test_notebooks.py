@@ -29,7 +29,7 @@ def test_notebook_runs_and_prints_its_stored_outputs(path):
 
 def test_a_stale_output_is_caught():
   """The comparison's own oracle: a changed word, a changed number and a lost image all differ;
-  a changed timing, rate, address or last printed digit does not."""
+  a changed timing (and the padding it shifts), rate, address or last printed digit does not."""
   nb = nbformat.v4.new_notebook()
   nb.cells = [nbformat.v4.new_code_cell(outputs=[
     nbformat.v4.new_output('stream', name='stdout', text='state_out_axes={0: nnx.Variable} loss 0.1234\n'),
@@ -54,3 +54,14 @@ def test_a_stale_output_is_caught():
   assert variant(set_text(0, 'state_out_axes={0: nnx.Variable} loss 0.2234\n'))
   assert variant(lambda outs: outs.pop(2))
   assert printed(nb)[0][2] == '<image/png>'
+
+  # a table of timings: a time that takes more digits shifts its padding, which is not a change
+  table = nbformat.v4.new_notebook()
+  table.cells = [nbformat.v4.new_code_cell(outputs=[
+    nbformat.v4.new_output('stream', name='stdout', text='unrolled        9.8 s    0.5 s   492\n'),
+  ])]
+  widened = copy.deepcopy(table)
+  widened.cells[0].outputs[0].text = 'unrolled       10.4 s    0.5 s   492\n'
+  assert not differences(table, widened)
+  widened.cells[0].outputs[0].text = 'unrolled       10.4 s    0.5 s   510\n'
+  assert differences(table, widened)

@@ -56,15 +56,14 @@ def call(
   args: tuple,
   kwargs: dict | None = None,
   *,
-  discover_from: Any = None,
   options: JitOptions = JitOptions(),
   compile_first: bool = False,
 ):
   """``impl(config, roots, *args, **kwargs)``, compiled when called eagerly.
 
   ``roots`` (functions, transform objects, progress bars; ``None`` entries
-  allowed) are held weakly by the cache and are where discovery starts
-  (``discover_from`` instead, when given); ``config`` is part of the key
+  allowed) are held weakly by the cache and are where discovery starts;
+  ``config`` is part of the key
   (unhashable parts, such as Variable instances given as filters, by
   identity). ``options.statics`` are the user's static arguments, kept
   static by the compiled program as by the traced one. The user's function
@@ -81,7 +80,7 @@ def call(
   key = (impl, tuple(o is None for o in roots), hashable(config), options.statics)
   jitted = _PROGRAMS.get(live, key)
   if jitted is None:
-    jitted = program(impl, config, roots, discover_from=discover_from, options=options, compile_first=compile_first)
+    jitted = program(impl, config, roots, options=options, compile_first=compile_first)
     _PROGRAMS.set(live, key, jitted)
   return jitted(*args, **kwargs)
 
@@ -89,7 +88,9 @@ def call(
 def program(impl: Callable, config: Config | None, roots: Sequence[Any], *, discover_from: Any = None,
             options: JitOptions = JitOptions(), compile_first: bool = False) -> JittedFunction:
   """The compiled program of ``impl(config, roots, ...)``, holding ``roots`` weakly: what
-  :func:`call` caches, and what a transform object keeps on itself."""
+  :func:`call` caches, and what a transform object keeps on itself. Discovery starts from the
+  live roots, or from ``discover_from`` (held as given) when the call reads more than they
+  reach (``grad``'s ``grad_states``)."""
   # a one-off call never waits for XLA to compile the whole program
   options = dataclasses.replace(options, compile_on_reuse=not compile_first)
   refs = tuple(weak_ref(o) for o in roots)

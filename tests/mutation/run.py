@@ -293,6 +293,17 @@ MUTANTS = [
   Mutant('a write-back leaves the kept values from before it', 'brainnx/_engine/plan.py',
          '        kept[i] = x\n', '        pass\n',
          ('tests/test_jit.py',)),
+  # issue 34's template
+  Mutant('the eager cache ignores the config', 'brainnx/_engine/eager.py',
+         '  key = (impl, tuple(o is None for o in roots), hashable(config), options.statics)',
+         '  key = (impl, tuple(o is None for o in roots), options.statics)',
+         ('tests/test_loops.py', 'tests/test_control.py', 'tests/test_conformance.py')),
+  Mutant('a vmap object makes a new program every call', 'brainnx/_transforms/vmap.py',
+         '    if self._program is None:', '    if True:',
+         ('tests/test_vmap.py',)),
+  Mutant('loop errors say scan whatever the loop', 'brainnx/_transforms/layer_checks.py',
+         "    f'{name}: {disc.describe(stacks[0])}{also}", "    f'scan: {disc.describe(stacks[0])}{also}",
+         ('tests/test_stacked_axes.py',)),
 ]
 
 
