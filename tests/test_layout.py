@@ -208,3 +208,24 @@ def test_every_mutant_of_the_mutation_run_applies_once():
   spec.loader.exec_module(module)
   stale = [(m.name, m.file) for m in module.MUTANTS if (ROOT / m.file).read_text().count(m.old) != 1]
   assert len(module.MUTANTS) >= 60 and not stale, stale
+
+
+def _engine_rooms() -> list[str]:
+  """The rooms the engine package's docstring lists, in its order."""
+  import brainnx._engine as engine
+
+  text = engine.__doc__.split('Rooms, each importing only those before it:')[1].split('Nothing here imports')[0]
+  return re.findall(r'``(\w+)``', text)
+
+
+def test_the_engine_rooms_import_only_the_rooms_listed_before_them():
+  rooms = _engine_rooms()
+  files = sorted(p.stem for p in (PACKAGE / '_engine').glob('*.py') if p.stem != '__init__')
+  assert sorted(rooms) == files, 'the engine docstring must list every room once'
+  for k, room in enumerate(rooms):
+    tree = ast.parse((PACKAGE / '_engine' / f'{room}.py').read_text())
+    used = {node.module.rsplit('.', 1)[-1] for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.module or '').startswith('brainnx._engine.')}
+    later = sorted(used - set(rooms[:k]))
+    assert not later, f'{room} imports {later}, listed after it'
+    assert 'brainnx._transforms' not in (PACKAGE / '_engine' / f'{room}.py').read_text()

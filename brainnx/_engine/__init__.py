@@ -1,20 +1,21 @@
 """The engine: from a stateful call to a pure function a JAX primitive can take, and back.
 
-Rooms, each importing only those before it: ``sentinels``, ``caches``,
-``nodes`` (what a value is: graph node, plain object, reference, static),
-``guard`` (the cheap check that a cached discovery still holds), ``roots``
-(what a callable captures), ``discovery`` (the Variables a call can reach),
-``arguments`` (static, dynamic and reference arguments), ``filters``,
-``errors``, ``outputs``, ``rng``, ``structure``, ``state`` (the state step
-and write-back), ``tracing`` (traces and ``StatefulFunction``), ``call``
-(the one stateful call), ``sharding``, ``plan`` and ``jitted`` (compiled
-plans and the jitted function), ``eager`` (the one eager entry of every
-transform, with the ``Config`` base class) and ``loop_body`` (a body
-traced once and evaluated inside a loop or branch). Nothing here imports
+Rooms, each importing only those before it: ``sentinels``, ``config``
+(the base of every transform's config), ``weak`` (weak references),
+``slots``, ``caches``, ``nodes`` (what a value is: graph node, plain object,
+reference, static), ``arguments`` (static, dynamic and reference
+arguments), ``filters``, ``errors``, ``guard`` (the cheap check that a
+cached discovery still holds), ``roots`` (what a callable captures),
+``discovery`` (the Variables a call can reach), ``rng``, ``structure``,
+``outputs``, ``state`` (the state step and write-back), ``call`` (the one
+stateful call), ``tracing`` (traces), ``stateful_function``, ``sharding``,
+``plan`` and ``jitted`` (compiled plans and the jitted function), ``eager``
+(the one eager entry of every transform) and ``loop_body`` (a body traced
+once and evaluated inside a loop or branch). Nothing here imports
 ``brainnx._transforms``.
 
 The route of a call. Every transform parses its keywords once into a frozen
-``eager.Config`` and calls ``eager.call(impl, config, roots, args, kwargs)``.
+``config.Config`` and calls ``eager.call(impl, config, roots, args, kwargs)``.
 Outside any trace that keeps one ``JittedFunction`` per root (the user's
 function, a progress bar) and config; transform objects (``vmap``'s and
 ``grad``'s) keep theirs on themselves (``eager.program``). A warm call of it
