@@ -181,7 +181,6 @@ def assert_matches(name, got, f, x):
       np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
 
 
-
 def test_the_registry_lists_every_transform_with_its_config():
   assert set(CONFIGS) == set(NAMES)
 

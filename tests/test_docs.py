@@ -284,7 +284,6 @@ def test_no_code_block_or_output_scrolls_sideways_at_1280_px(tmp_path):
   assert not found, found
 
 
-
 def _demo_commands():
   """Every ``python -m brainnx.demo`` command line of a bash block in the README and the docs
   (with its environment assignments), but the many-host ones (tests/test_distributed.py runs

@@ -238,7 +238,6 @@ def test_closure_float_rebound():
   np.testing.assert_array_equal(f(x), x * 3.0)
 
 
-
 def test_a_variable_replaced_by_an_equal_one_is_seen():
   class Holder(nnx.Module):
     def __init__(self):

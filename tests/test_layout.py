@@ -124,7 +124,6 @@ def test_the_package_imports_only_what_it_declares():
   assert _third_party_imports(job) <= allowed, _third_party_imports(job) - allowed
 
 
-
 @pytest.mark.skipif(shutil.which('ruff') is None, reason='ruff is not installed (the dev extra installs it)')
 def test_the_code_passes_ruff_with_the_projects_configuration():
   """``ruff check`` (configured in pyproject.toml: errors such as undefined or unused names, not

@@ -666,7 +666,6 @@ def test_vmap_new_states_honours_state_out_axes_and_side_effect_boxes():
   np.testing.assert_array_equal(value, jnp.moveaxis(jax.vmap(lambda x: x * 2)(xs), 0, 1))
 
 
-
 def _planes(x):
   return x[:, None] * jnp.arange(1.0, 4.0)  # (4,) -> (4, 3)
 

@@ -47,7 +47,7 @@ import jax
 
 from brainnx import _compat
 from brainnx._engine.arguments import CallArgs, StaticArgs
-from brainnx._engine.discovery import discover, Discovery
+from brainnx._engine.discovery import Discovery, discover
 from brainnx._engine.outputs import OutSpec
 from brainnx._engine.sentinels import UNSET
 from brainnx._engine.state import (

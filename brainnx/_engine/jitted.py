@@ -75,8 +75,6 @@ class JitOptions(Config):
     return bool(self.state_shardings) or self.in_shardings is not NOT_GIVEN or self.out_shardings is not NOT_GIVEN
 
 
-
-
 def _raise_interrupt(error: BaseException) -> None:
   """A Ctrl-C that stopped the program inside a host callback is raised as what it is."""
   if _compat.is_interrupted_callback(error):

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from brainnx import _compat
 from brainnx._engine.arguments import CallArgs
 from brainnx._engine.caches import LRUCache
-from brainnx._engine.discovery import discover, Discovery
+from brainnx._engine.discovery import Discovery, discover
 from brainnx._engine.nodes import is_graph_node
 from brainnx._engine.state import abstract_args, abstract_states, aval_key, read_values, write_values
 from brainnx._engine.tracing import Trace, trace_call, tracing_config
@@ -53,7 +53,6 @@ def strong_typed(x):
 def dyn_leaves(x) -> list:
   """The array leaves of ``x`` (graph nodes travel by reference, not as leaves)."""
   return [leaf for leaf in jax.tree.leaves(x, is_leaf=is_graph_node) if not is_graph_node(leaf)]
-
 
 
 _BRANCHING = ('cond', 'switch', 'ifelse')  # constructs whose LoopBody is a branch, not a loop body
@@ -175,7 +174,6 @@ class LoopBody:
     """Write the loop's final values: of the carried Variables, or of those at ``indices``
     (stacked and fixed ones, or every branch's writes)."""
     write_values(self.disc, self.written if indices is None else list(indices), list(final))
-
 
 
 def in_python() -> bool:

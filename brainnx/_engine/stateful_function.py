@@ -35,7 +35,7 @@ from brainnx import _compat
 from brainnx._engine.arguments import CallArgs, StaticArgs
 from brainnx._engine.caches import LRUCache
 from brainnx._engine.call import check_values
-from brainnx._engine.discovery import discover, Discovery
+from brainnx._engine.discovery import Discovery, discover
 from brainnx._engine.errors import check_callable
 from brainnx._engine.state import abstract_args, abstract_states, aval_key, read_values, write_values
 from brainnx._engine.tracing import Trace, TraceKey, trace_call, tracing_config

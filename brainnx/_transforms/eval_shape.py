@@ -29,7 +29,6 @@ class EvalShapeConfig(Config):
   name: str = 'eval_shape'
 
 
-
 def eval_shape(fun: Callable, *args, **kwargs) -> Any:
   """The output of ``fun(*args, **kwargs)`` with ``jax.ShapeDtypeStruct`` leaves, without computing.
 
