@@ -51,7 +51,7 @@ def eager() -> bool:
 @_compat.api_boundary
 def call(
   impl: Callable,
-  config: Config | None,
+  config: Config,
   roots: Sequence[Any],
   args: tuple,
   kwargs: dict | None = None,
@@ -85,7 +85,7 @@ def call(
   return jitted(*args, **kwargs)
 
 
-def program(impl: Callable, config: Config | None, roots: Sequence[Any], *, discover_from: Any = None,
+def program(impl: Callable, config: Config, roots: Sequence[Any], *, discover_from: Any = None,
             options: JitOptions = JitOptions(), compile_first: bool = False) -> JittedFunction:
   """The compiled program of ``impl(config, roots, ...)``, holding ``roots`` weakly: what
   :func:`call` caches, and what a transform object keeps on itself. Discovery starts from the

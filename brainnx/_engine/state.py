@@ -53,13 +53,6 @@ class StateChanges:
   def __init__(self):
     self.under_way = self.begun = 0
 
-  def start(self) -> None:
-    self.under_way += 1
-    self.begun += 1
-
-  def end(self) -> None:
-    self.under_way -= 1
-
 
 STATE_CHANGES = StateChanges()
 
@@ -78,11 +71,12 @@ def read_values(variables: Sequence) -> list:
 def set_values(variables: Sequence, values) -> None:
   """Store concrete ``values`` in ``variables`` as one change (see ``STATE_CHANGES``)."""
   with TRACE_LOCK:
-    STATE_CHANGES.start()
+    STATE_CHANGES.under_way += 1  # inline: a write-back of a warm call takes this path
+    STATE_CHANGES.begun += 1
     try:
       _compat.set_raw_values(variables, values)
     finally:
-      STATE_CHANGES.end()
+      STATE_CHANGES.under_way -= 1
 
 
 # -- the state step -----------------------------------------------------------------
@@ -106,7 +100,8 @@ def swapped(disc: Discovery, values: Sequence):
     old_node_levels = [_compat.get_node_trace_state(n) for n in nodes]
     contents = disc.snapshot()
     level = _compat.new_trace_state()
-    STATE_CHANGES.start()
+    STATE_CHANGES.under_way += 1  # inline: a write-back of a warm call takes this path
+    STATE_CHANGES.begun += 1
     try:
       _compat.set_raw_values(variables, values)  # one counted write for the whole swap
       for v in variables:
@@ -121,7 +116,7 @@ def swapped(disc: Discovery, values: Sequence):
         _compat.set_node_trace_state(v, lv)
       for n, lv in zip(nodes, old_node_levels):
         _compat.set_node_trace_state(n, lv)
-      STATE_CHANGES.end()
+      STATE_CHANGES.under_way -= 1
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -189,10 +189,7 @@ def checkpointed_for_loop(f: Callable, *xs, length: int | None = None, base: int
     *xs: pytrees of arrays looped over their leading axis (same size).
     length: the number of steps; must agree with the leading sizes.
       Default ``None``: that size.
-    base: the block size of each checkpointing level (an int >= 2). Default
-      ``16``.
-    pbar: a :class:`ProgressBar`, or an int update frequency. Default
-      ``None``: no bar.
+    base, pbar: as in :func:`checkpointed_scan`.
 
   Returns:
     ``f``'s outputs for every step, stacked along a new leading axis.

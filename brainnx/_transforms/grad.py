@@ -38,8 +38,8 @@ from brainnx._transforms.grad_targets import GradTargets, diff_states
 class GradConfig(Config):
   """A differentiating transform's settings, parsed once when it is built.
 
-  ``transform`` is ``jax.grad``, ``jax.jacrev``, ``jax.jacfwd``, the diagonal Hessian, or
-  (for ``vjp`` and ``jvp``, which differentiate on their own) ``jax.vjp``/``jax.jvp``;
+  ``transform`` is ``jax.grad``, ``jax.jacrev``, ``jax.jacfwd`` or the diagonal Hessian
+  (``vjp`` and ``jvp`` call ``jax.vjp``/``jax.jvp`` themselves and leave it unused);
   ``argnums`` resolved to a tuple (``argnums_is_int``: the user gave one int) with each
   position's ``nnx.DiffState`` filter in ``filters`` (``None`` without one); the output is
   ``grads`` plus ``value`` / ``aux`` as ``return_value``, ``has_aux`` and
@@ -408,7 +408,7 @@ def vjp(fun: Callable, *primals, grad_states: Any = None, argnums: int | Sequenc
   if nums is not None:
     nums = resolve_argnums(nums, len(primals), 'vjp')
   config = GradConfig(name='vjp', grad_states=grad_states, argnums=nums, argnums_is_int=argnums_is_int,
-                      has_aux=has_aux, transform=jax.vjp)
+                      has_aux=has_aux)
   pure, target_vals, arg_vals, stateful, pack = _pure_call(config, fun, primals, {}, nums)
   with stateful.rolling_back():
     value, pull, (_, out_leaves, written_vals) = jax.vjp(pure, target_vals, arg_vals, has_aux=True)
@@ -449,7 +449,7 @@ def jvp(fun: Callable, primals: Sequence, tangents: Sequence, has_aux: bool = Fa
       'jvp: primals and tangents must be tuples or lists (one entry per positional argument, as '
       f'jax.jvp takes them); got {type(primals).__name__} and {type(tangents).__name__}'
     )
-  config = GradConfig(name='jvp', has_aux=has_aux, transform=jax.jvp)
+  config = GradConfig(name='jvp', has_aux=has_aux)
   return call(_jvp_impl, config, (fun,), (tuple(primals), tuple(tangents)))
 
 

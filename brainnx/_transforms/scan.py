@@ -322,10 +322,8 @@ def for_loop(
       Default ``1``.
     pbar: a :class:`ProgressBar`, or an int update frequency. Default
       ``None``: no bar.
-    state_in_axes: a filter (or ``{0: filter}``) of Variables stacked on axis 0 to scan
-      over: step ``i`` sees slice ``i`` of each, and its writes are stacked back (the "scan
-      over layers" of a model built with ``vmap(lambda: Block(rngs), axis_size=L)()``).
-      Without ``xs`` or ``length`` the loop runs over their leading axis.
+    state_in_axes: Variables stacked on axis 0 to loop over, one slice per step, as in
+      :func:`scan`.
 
   Returns:
     ``f``'s outputs for every step, stacked along a new leading axis.
