@@ -113,7 +113,12 @@ def values_written(variable=None) -> None:
       KEPT_VALUES.clear()
       return
     key = id(variable)
-    for positions, values in list(KEPT_VALUES.values()):
+    try:
+      entries = list(KEPT_VALUES.values())
+    except RuntimeError:  # a dropped plan's list left while we copied (a weak reference's callback)
+      KEPT_VALUES.clear()
+      return
+    for positions, values in entries:
       i = positions.get(key)
       if i is not None:
         values[i] = new
@@ -478,7 +483,11 @@ def call_jaxpr(closed, *args) -> list:
   as they are, instead of being bound again one by one (``jax.core.eval_jaxpr``); under
   ``vmap``, ``grad`` and the rest, JAX's rules for nested ``jit`` apply."""
   if at_top_level():
-    return _jax_core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+    outs = _jax_core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+    # a constant output (a literal in the jaxpr) comes back as jax's typed Python scalar or numpy
+    # array, an input passed through as the very object given (a numpy array, a float): each
+    # gets the new Array that jax.jit would return
+    return [x if type(x) is ArrayImpl else jax.device_put(x) for x in outs]
   n_in, n_out = len(closed.in_avals), len(closed.out_avals)
   unspecified = _jax_pjit.UNSPECIFIED
   return _jax_pjit.jit_p.bind(

@@ -24,8 +24,9 @@ from typing import Any, Hashable, Sequence
 class LRUCache:
   """Thread-safe least-recently-used mapping with hit/miss counters."""
 
-  def __init__(self, maxsize: int = 128):
+  def __init__(self, maxsize: int = 128, on_evict=None):
     self.maxsize = maxsize
+    self.on_evict = on_evict  # called with each value pushed out or replaced (outside the lock)
     self._data: collections.OrderedDict = collections.OrderedDict()
     self._lock = threading.Lock()
     self.hits = self.misses = 0
@@ -41,10 +42,15 @@ class LRUCache:
 
   def set(self, key, value) -> None:
     with self._lock:
+      old = self._data.get(key)
       self._data[key] = value
       self._data.move_to_end(key)
+      gone = [old] if old is not None and old is not value else []
       while len(self._data) > self.maxsize:
-        self._data.popitem(last=False)
+        gone.append(self._data.popitem(last=False)[1])
+    if self.on_evict is not None:
+      for old in gone:
+        self.on_evict(old)
 
   def pop(self, key) -> None:
     with self._lock:

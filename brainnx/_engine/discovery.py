@@ -66,6 +66,7 @@ class Discovery:
 
   def __post_init__(self):
     self._index = {id(v): i for i, v in enumerate(self.variables)}
+    self._positions = None
     self._node_index = {id(r()): i for i, r in enumerate(self.node_refs)}
 
   @property
@@ -73,6 +74,13 @@ class Discovery:
     """The graph nodes (held weakly, so a cached discovery does not keep a dropped model
     alive; they are alive while a call that reaches them runs)."""
     return tuple(r() for r in self.node_refs)
+
+  def positions(self) -> dict:
+    """``id(variable)`` -> its index, for the value lists warm calls keep (made when a list is
+    first kept; made anew after :meth:`follow` swapped Variables)."""
+    if self._positions is None:
+      self._positions = dict(self._index)
+    return self._positions
 
   def index_of(self, variable) -> int | None:
     return self._index.get(id(variable))
@@ -161,6 +169,8 @@ class Discovery:
       del self._index[id(old)]
       self.variables[i] = new
       self._index[id(new)] = i
+    self._positions = None
+    _compat.values_written()  # kept value lists name the old Variables: forget them all
     self.guard.follow(pairs)
 
   def container_name(self, c: int) -> str:
@@ -276,7 +286,10 @@ class _Walker:
     self.metadata = []  # (Variable, a copy of its metadata), for the guard
     self.owners: tuple[set[int], set[int]] = (set(), set())  # ids of the guarded Pytrees, Variables
     self.plain_objects = []
+    self.classes: dict = {}  # the types of the graph nodes and plain objects met, in order
     self.masks = []
+    self.stateless = []  # (container, what is state in it): containers holding no state yet
+    self.track_stateless = True  # False under an argument holding no graph node (array data)
     self.signature = []
     self._var_ids: dict[int, int] = {}
     self._seen: set[int] = set()
@@ -293,6 +306,7 @@ class _Walker:
       return key in self._relevant
     self._seen.add(key)
     if isinstance(obj, nnx.Pytree):
+      self.classes[type(obj)] = None
       found = self._pytree(obj, path, root)
     elif isinstance(obj, nnx.State):
       found = self._items(obj.raw_mapping, list(obj.raw_mapping.items()), path, root, mutable=True)
@@ -305,6 +319,7 @@ class _Walker:
       items = list(zip(names, obj)) if names else list(enumerate(obj))
       found = self._items(obj, items, path, root, mutable=False)
     elif is_plain_object(obj):
+      self.classes[type(obj)] = None
       attrs = _compat.attributes(obj)
       found = self._items(attrs, list(attrs.items()), path, root, mutable=True, owner=type(obj))
     else:
@@ -385,6 +400,8 @@ class _Walker:
       self.watched.append(container)
       self.watched_paths.append(path)
     if not relevant:
+      if mutable and self.track_stateless and type(container) in (dict, list):
+        self.stateless.append((container, holds_graph_node))  # an array here is data
       return False
     if mutable:
       self.containers.append(container)
@@ -414,6 +431,8 @@ class _Walker:
       else:
         mask.append(GRAPH if self.walk(v, path + (k,), root) else STATIC)
     if not any(mask):
+      if self.track_stateless:
+        self.stateless.append((container, _is_state))  # a node's arrays are state
       return False
     self._relevant.add(key)
     self.containers.append(container)
@@ -450,11 +469,15 @@ def discover(roots: Any, args: tuple, kwargs: dict) -> Discovery:
   finder = RootFinder(walker)
   for i, a in enumerate(args):
     finder.roots.append(Root(i, RootKind.ARG))
+    walker.track_stateless = holds_graph_node(a)
     walker.walk(a, (i,), len(finder.roots) - 1)
   for k, a in kwargs.items():
     finder.roots.append(Root(k, RootKind.KWARG))
+    walker.track_stateless = holds_graph_node(a)
     walker.walk(a, (k,), len(finder.roots) - 1)
+  walker.track_stateless = True
   finder.explore(roots)
+  finder.explore_classes(walker.classes)
   return Discovery(
     variables=list(walker.variables),
     paths=tuple(walker.paths),
@@ -465,7 +488,7 @@ def discover(roots: Any, args: tuple, kwargs: dict) -> Discovery:
     streams=tuple(walker.streams),
     aliases=tuple(walker.aliases),
     guard=Guard([c[:2] for c in finder.cells], finder.globals, walker.containers, walker.masks, walker.counted,
-                walker.metadata, walker.owners),
+                walker.metadata, walker.owners, walker.stateless),
     signature=(tuple(walker.signature), tuple(finder.captured)),
     plain=tuple(finder.plain),
     container_paths=tuple(walker.watched_paths),

@@ -50,9 +50,10 @@ class Guard:
   costs a few identity checks, not one comparison per attribute.
   """
 
-  __slots__ = ('_cells', '_globals', '_all', '_uncounted', '_counted', '_metadata', '_owners', '_seen', 'ok')
+  __slots__ = ('_cells', '_globals', '_all', '_uncounted', '_counted', '_metadata', '_owners', '_seen', '_stateless',
+               'ok')
 
-  def __init__(self, cells, globals_, containers, masks, counted, metadata=(), owners=None):
+  def __init__(self, cells, globals_, containers, masks, counted, metadata=(), owners=None, stateless=()):
     self._cells = list(cells)  # [cell, object]
     self._globals = list(globals_)  # [namespace, name, object]
     self._metadata = list(metadata)  # [Variable, a copy of its metadata]
@@ -64,6 +65,7 @@ class Guard:
     )
     self._counted = _entry_check([c for c, n in zip(containers, counted) if n], [m for m, n in zip(masks, counted) if n])
     self._seen = [-1]  # the edit count at the last passing full check; -1: none yet
+    self._stateless = _stateless_check(stateless)
     self.ok = self._make_check()
 
   def _make_check(self):
@@ -71,6 +73,7 @@ class Guard:
     loops beat C-level ``map`` here, whose set-up costs more than the comparisons)."""
     cells, namespaces, metadata = self._cells, self._globals, self._metadata
     check_all, check_uncounted, seen, edits = self._all, self._uncounted, self._seen, _compat.PYTREE_EDITS
+    still_stateless = self._stateless
     metadata_of, log = _compat.metadata_of, _compat.EDIT_LOG
     nodes, variables = self._owners if self._owners is not None else (None, None)
     everything = (True, True)
@@ -107,6 +110,8 @@ class Guard:
       for namespace, name, obj in namespaces:
         if namespace.get(name, MISSING) is not obj:
           return False
+      if still_stateless is not None and not still_stateless():
+        return False
       if edits.n == seen[0]:
         return check_uncounted is None or check_uncounted()
       mark = edits.n  # read before the check: an edit during it moves the count past mark
@@ -192,6 +197,29 @@ def _entry_check(containers, masks) -> Callable[[], bool] | None:
       saved[:] = [static_at(now), graph_at(now)]
 
   check.resave = resave
+  return check
+
+
+def _stateless_check(containers) -> Callable[[], bool] | None:
+  """``check()``: whether the containers that held no state when discovered (an empty
+  ``nnx.data({})`` filled on first use, a plain list a Module is appended to) still hold none.
+  Each is compared by identity with its saved entries; one that changed is searched for state,
+  and its entries are saved anew if it holds none (a history list a loop appends floats to).
+  ``containers`` holds ``(container, is_state)``: what counts as state in it."""
+  if not containers:
+    return None
+  views = [(c.values() if isinstance(c, dict) else c, is_state) for c, is_state in containers]
+  watched = [(view, list(view), is_state) for view, is_state in views]
+  is_ = operator.is_
+
+  def check() -> bool:
+    for view, saved, holds in watched:
+      if len(view) != len(saved) or not all(map(is_, view, saved)):
+        if any(map(holds, view)):
+          return False
+        saved[:] = view
+    return True
+
   return check
 
 

@@ -109,7 +109,7 @@ class JittedFunction:
     traces, self._compiled = (_shared_caches(fun, options) if traced is None else None) or (None, LRUCache(64))
     self.stateful_fun = StatefulFunction(traced or fun, name=name or getattr(fun, '__name__', None), cache=traces)
     self.stateful_fun.statics = options.statics
-    self._plans = LRUCache(16)
+    self._plans = LRUCache(16, on_evict=Plan.forget_values)
     self._warm = _always_miss
     self._lock = threading.Lock()
 

@@ -71,8 +71,9 @@ class New(NamedTuple):
   from its graph definition, its references resolved to that call's objects."""
 
   graphdef: Any
-  n_leaves: int
+  n_leaves: int  # array leaves, all Variables' values flattened
   leaf_vars: tuple  # (path, Variable stand-in) for each of the ``n_leaves`` leaves
+  value_defs: tuple  # tree structure of each Variable's value (a dict, a tuple of sown values)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -103,7 +104,8 @@ class OutSpec:
       else:
         if index_ref is None:
           index_ref = KnownRefs(disc)
-        out.append(_compat.graph_unflatten(slot.graphdef, [next(it) for _ in range(slot.n_leaves)], index_ref))
+        values = [jax.tree.unflatten(d, [next(it) for _ in range(d.num_leaves)]) for d in slot.value_defs]
+        out.append(_compat.graph_unflatten(slot.graphdef, values, index_ref))
     return jax.tree.unflatten(self.treedef, out)
 
   def new_nodes(self) -> list:
@@ -166,6 +168,13 @@ def split_output(out: Any, disc: Discovery, graph: GraphSplit, name: str = 'the 
       slots.append(KnownNode(disc.node_index_of(x)))
     else:
       recipe, values, stand_ins, _, paths = graph.split(x, f'the {type(x).__name__} {name} returns')
-      slots.append(New(recipe.graphdef, recipe.n_leaves, tuple(zip(paths, stand_ins))))
-      leaves.extend(values)
+      # a Variable may hold a pytree ({'k': x, 'j': y}, the tuple ``sow`` builds): its leaves
+      # travel one by one, and each names the Variable that holds it
+      value_defs, leaf_vars = [], []
+      for value, path, var in zip(values, paths, stand_ins):
+        flat_value, value_def = jax.tree.flatten(value)
+        value_defs.append(value_def)
+        leaf_vars.extend([(path, var)] * len(flat_value))
+        leaves.extend(flat_value)
+      slots.append(New(recipe.graphdef, len(leaf_vars), tuple(leaf_vars), tuple(value_defs)))
   return OutSpec(treedef, tuple(slots), has_nodes), leaves

@@ -84,20 +84,22 @@ class Plan:
     self.kept = tuple(i for i in range(len(disc.variables)) if i not in set(donated))
     self.call = dataclasses.replace(call, refs=())  # held weakly below
     self.ref_refs = tuple(weak_or_strong(x, on_drop) for x in call.refs)
-    self.me = weakref.ref(self)
     self.kept_lists = _compat.KEPT_VALUES  # held here: dropped plans may outlive the module at exit
-    self._positions = None
+    # the list this plan keeps goes with it (a plan pushed out of its cache, its function dropped)
+    self.me = weakref.ref(self, lambda me, kept=self.kept_lists: kept.pop(me, None))
     # a data attribute's array is written by plain setattr, which counts no value write
     self.keeps_values = not any(type(v) is _compat.DataAttribute for v in disc.variables)
     self.ran = False  # whether a call has run this plan (see JitOptions.compile_on_reuse)
     self.variables = disc.variables
     self.warm = warm_call(self)
 
+  def forget_values(self) -> None:
+    """Drop the value list this plan keeps (it left its function's cache)."""
+    self.kept_lists.pop(self.me, None)
+
   def positions(self) -> dict:
-    """``id(variable)`` -> its index in discovery order (made once, when a list is first kept)."""
-    if self._positions is None:
-      self._positions = {id(v): i for i, v in enumerate(self.variables)}
-    return self._positions
+    """``id(variable)`` -> its index in discovery order (see :meth:`Discovery.positions`)."""
+    return self.disc.positions()
 
   def live_call(self) -> CallArgs:
     """The call with its reference arguments (alive while a call that passed them runs)."""

@@ -25,7 +25,7 @@ from typing import Hashable
 
 from flax import nnx
 
-from brainnx._engine.nodes import LIBRARY_DIRS, is_plain_object, static_key
+from brainnx._engine.nodes import LIBRARY_DIRS, holds_graph_node, is_plain_object, static_key
 from brainnx._engine.sentinels import MISSING
 
 
@@ -86,6 +86,9 @@ class RootFinder:
     self.captured: list = []  # (name, static key) of captured values holding no graph node
     self.plain: list = []  # (source, position in captured) of those values
     self._explored: set[int] = set()
+    self._guarded_globals: set = set()  # (id(namespace), name) already guarded
+    self._shallow = False  # exploring methods of classes met as data: only state-holding names count
+    self._classes_done: set = set()
 
   def add(self, name, kind: RootKind, obj) -> bool:
     if is_callable_to_explore(obj):
@@ -100,6 +103,10 @@ class RootFinder:
     return found
 
   def _captured(self, name, kind: RootKind, obj, source: tuple) -> None:
+    if self._shallow:  # a method's names: guarded and walked only where they lead to state
+      if holds_graph_node(obj) or is_callable_to_explore(obj):
+        self.add(name, kind, obj)
+      return
     if not self.add(name, kind, obj) and not isinstance(obj, types.ModuleType):
       if not callable(obj):
         self.plain.append((source, len(self.captured)))
@@ -146,6 +153,8 @@ class RootFinder:
         obj = cell.cell_contents
       except ValueError:
         continue
+      if self._shallow and not holds_graph_node(obj) and not is_callable_to_explore(obj):
+        continue
       self.cells.append((cell, obj, name))
       if library:  # a library's closures may wrap user code; only what leads to Variables counts
         self.add(name, RootKind.CLOSURE, obj)
@@ -156,15 +165,48 @@ class RootFinder:
     namespace = fn.__globals__
     for name in _loaded_globals(code):
       obj = namespace.get(name, MISSING)
-      if obj is MISSING:
-        continue  # a builtin
-      self.globals.append((namespace, name, obj))
+      if obj is MISSING or (self._shallow and not holds_graph_node(obj) and not is_callable_to_explore(obj)):
+        continue  # a builtin, or a method's plain global
+      if (id(namespace), name) not in self._guarded_globals:
+        self._guarded_globals.add((id(namespace), name))
+        self.globals.append((namespace, name, obj))
       self._captured(name, RootKind.GLOBAL, obj, ('global', namespace, name))
     for i, default in enumerate(fn.__defaults__ or ()):
       names = code.co_varnames[: code.co_argcount]
       self.add(names[len(names) - len(fn.__defaults__) + i], RootKind.DEFAULT, default)
     for k, default in (fn.__kwdefaults__ or {}).items():
       self.add(k, RootKind.DEFAULT, default)
+
+
+  def explore_classes(self, classes: dict) -> None:
+    """Explore the methods of the user classes of the graph nodes and plain objects met
+    (``classes``, which grows as they are walked): a Module's method may read a global Variable
+    however the Module is called. Only names that hold state are guarded from there."""
+    shallow, self._shallow = self._shallow, True
+    try:
+      while todo := [c for c in classes if c not in self._classes_done]:
+        for cls in todo:
+          self._classes_done.add(cls)
+          for fn in user_methods(cls):
+            self.explore(fn)
+    finally:
+      self._shallow = shallow
+
+
+@functools.lru_cache(maxsize=1024)
+def user_methods(cls: type) -> tuple:
+  """The functions written in user code that ``cls`` and its bases define (methods, static and
+  class methods, property accessors)."""
+  found = []
+  for klass in cls.__mro__:
+    for attr in vars(klass).values():
+      if isinstance(attr, (staticmethod, classmethod)):
+        attr = attr.__func__
+      fns = (attr.fget, attr.fset) if isinstance(attr, property) else (attr,)
+      for fn in fns:
+        if isinstance(fn, types.FunctionType) and not fn.__code__.co_filename.startswith(LIBRARY_DIRS):
+          found.append(fn)
+  return tuple(found)
 
 
 def user_constructor(cls: type):

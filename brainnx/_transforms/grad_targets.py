@@ -55,25 +55,36 @@ class GradTargets:
     self.variables.append(variable)
     return len(self.variables) - 1
 
-  def _node(self, node, selects=nnx.Param, argnum: int | None = None):
+  def _node(self, node, selects=nnx.Param, argnum: int | None = None, seen: set | None = None):
     """How to pack the gradient of ``node``, as ``nnx.grad`` does: a Module's Variables that
     ``selects`` (on paths relative to the Module) as an ``nnx.State``; a Variable whole; a
-    State, dict or list holding them, the same container of their gradients."""
+    State, dict or list holding them, the same container of their gradients. A Variable met
+    again (``seen``: ids met so far in this argument) has its gradient at its first place only:
+    later places hold an empty ``nnx.State``, as flax's split of a shared Variable does."""
+    seen = set() if seen is None else seen
     if isinstance(node, nnx.Variable):
+      if id(node) in seen:
+        return lambda grads: nnx.State({})
+      seen.add(id(node))
       k = self._index(node)
       return lambda grads: grads[k]
     if is_graph_node(node):
-      flat = list(nnx.to_flat_state(nnx.state(node, to_filter(selects))))
+      flat = [(path, var) for path, var in nnx.to_flat_state(nnx.state(node, to_filter(selects)))
+              if id(var) not in seen]
+      seen.update(id(var) for _, var in flat)
       slots = [(path, var, self._index(var)) for path, var in flat]
       return lambda grads: nnx.from_flat_state([(path, grad_leaf(var, grads[k])) for path, var, k in slots])
     leaves, treedef = jax.tree.flatten(node, is_leaf=is_graph_node)
     packs = []
     for x in leaves:
-      if isinstance(x, nnx.Variable):
+      if isinstance(x, nnx.Variable) and id(x) in seen:
+        packs.append(lambda grads: nnx.State({}))
+      elif isinstance(x, nnx.Variable):
+        seen.add(id(x))
         k = self._index(x)
         packs.append(lambda grads, x=x, k=k: grad_leaf(x, grads[k]))
       elif is_graph_node(x):
-        packs.append(self._node(x, selects))
+        packs.append(self._node(x, selects, seen=seen))
       else:
         raise TypeError(
           f'{self.name}: argument {argnum} (argnums) holds arrays beside Variables or Modules '
