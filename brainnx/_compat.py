@@ -26,6 +26,7 @@ from flax.nnx import tracers as _nnx_tracers
 from jax._src import array as _jax_array
 from jax._src import core as _jax_core
 from jax._src import pjit as _jax_pjit
+from jax._src import stages as _jax_stages
 from jax._src import traceback_util as _traceback_util
 from jax._src.interpreters import batching as _batching
 from jax._src.lax import lax as _jax_lax
@@ -66,14 +67,11 @@ def set_raw_values(variables, values) -> None:
     values_written()
 
 
-# A warm compiled call passes the values of its Variables; reading 800 of them costs about as
-# much as the rest of the call's Python. So each warm call keeps the list it passed, and every
-# way a value is stored keeps the lists true: flax's setattr (which set_value, ``v[...] = x``,
-# ``nnx.update`` and update_from_state go through) puts the new value into each kept list that
-# holds the Variable, in place (a list not holding it stays as it is); copy_from, unpickling,
-# nnx.jit_partial's raw write-back and brainnx's own writes above forget every kept list. Each
-# of these counts the write, after storing it, under KEPT_LOCK. A kept list holds exactly the
-# Variables' current values, so keeping it costs no memory. Writes that bypass flax
+# A warm compiled call keeps the list of values it passed (reading 800 Variables costs as much
+# as the rest of its Python). flax's setattr (set_value, ``v[...] = x``, nnx.update,
+# update_from_state) puts a new value into each kept list holding the Variable; copy_from,
+# unpickling, nnx.jit_partial's raw write-back and brainnx's own writes forget every list. Each
+# counts the write, after storing it, under KEPT_LOCK. Writes that bypass flax
 # (``object.__setattr__`` on a Variable) are not seen.
 
 class EditCount:
@@ -92,9 +90,26 @@ VALUE_WRITES = EditCount()
 #: ``id(variable)`` to its index in ``values``, the list the call passed last.
 KEPT_VALUES: dict = {}
 
-#: Held while counting a write and changing a kept list, and while a call keeps a list (only
-#: if no write was counted since it began reading).
+#: Held while counting a write, changing a kept list, and keeping one.
 KEPT_LOCK = threading.Lock()
+
+
+#: Held while Variables hold a brainnx trace's tracers and while values are written back. Every
+#: flax write of a Variable takes it (reentrant: the traced function's own writes pass), so a
+#: write from another thread waits for the trace instead of failing or landing inside it.
+TRACE_LOCK = threading.RLock()
+
+
+class StateChanges:
+  """Value changes other threads must not see half done, under ``TRACE_LOCK``: ``under_way`` now, ``begun`` ever."""
+
+  __slots__ = ('under_way', 'begun')
+
+  def __init__(self):
+    self.under_way = self.begun = 0
+
+
+STATE_CHANGES = StateChanges()
 
 
 def values_written(variable=None) -> None:
@@ -172,9 +187,18 @@ def _count_value_writes() -> None:
     finally:
       values_written()
 
-  variable.__setattr__ = marked(counting_setattr, setattr_)
+  def waiting(method: Callable) -> Callable:
+    def waits(*args, **kwargs):
+      with TRACE_LOCK:
+        return method(*args, **kwargs)
+
+    return marked(waits, method)
+
+  variable.__setattr__ = waiting(marked(counting_setattr, setattr_))
   variable.__setstate__ = marked(counting_setstate, setstate)
-  variable.copy_from = marked(counting_copy_from, copy_from)
+  variable.copy_from = waiting(marked(counting_copy_from, copy_from))
+  for name in ('set_value', 'set_raw_value', 'update_from_state'):
+    setattr(variable, name, waiting(variable.__dict__[name]))
   _compilation._apply_raw_updates = marked(counting_raw_updates, apply_raw_updates)
 
 
@@ -475,6 +499,14 @@ def is_batched_here(x, trace) -> bool:
 
 
 # -- jaxprs --------------------------------------------------------------------
+
+
+#: Raised for arguments committed to other devices than the compiled call's.
+DEVICE_MISMATCH_ERRORS = (ValueError, _jax_stages.DeviceAssignmentMismatchError)
+
+
+def is_device_mismatch(error: BaseException) -> bool:
+  return type(error) is not ValueError or 'incompatible devices' in str(error)
 
 
 def call_jaxpr(closed, *args) -> list:

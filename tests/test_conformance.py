@@ -1133,3 +1133,147 @@ def test_an_error_in_user_code_shows_the_users_line_and_few_brainnx_frames(name)
   assert mine[-1].name == '_fails_in_user_code'
   jax_dir = os.path.dirname(jax.__file__)  # below the user's line: jax's own frames only
   assert all(f.filename.startswith(jax_dir) for f in frames[frames.index(mine[-1]) + 1:])
+
+
+# -- programs written outside the suite: what they found, held for every transform ----------
+
+
+class _TreeHolder(nnx.Module):
+  """A Variable whose value is a pytree (a dict holding a tuple), as flax allows."""
+
+  def __init__(self, x):
+    self.t = nnx.Variable({'k': x, 'j': (x * 10, x + 1)})
+
+
+def _returning(name, make_node):
+  """``make_node(x)``, created inside transform ``name`` and returned (as RETURNS_CREATED)."""
+  build = lambda x: (make_node(x), x)  # noqa: E731
+  table = {
+    'jit': lambda: bnx.jit(build)(X)[0],
+    'vmap': lambda: bnx.vmap(build, in_axes=None, out_axes=None, axis_size=2)(X)[0],
+    'vmap_new_states': lambda: bnx.vmap_new_states(build, in_axes=None, axis_size=1)(X)[0],
+    'pmap': lambda: bnx.pmap(make_node)(twice(X)[:1]),
+    'remat': lambda: bnx.remat(build)(X)[0],
+    'eval_shape': lambda: bnx.eval_shape(build, X)[0],
+    **{d: lambda d=d: _in_aux(d, make_node) for d in DERIVATIVES},
+  }
+  return table[name]()
+
+
+@pytest.mark.parametrize('name', list(RETURNS_CREATED))
+def test_a_created_variable_holding_a_pytree_comes_back_whole(name):
+  """Every leaf of a pytree-valued Variable of a returned new node comes back (one did)."""
+  want = _TreeHolder(X).t.get_value()  # the oracle: eager Python
+  got = _returning(name, _TreeHolder).t.get_value()
+  assert jax.tree.structure(got) == jax.tree.structure(want), (got, want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    if name == 'eval_shape':
+      assert (g.shape, g.dtype) == (w.shape, w.dtype)
+      continue
+    g = np.asarray(g)
+    np.testing.assert_allclose(g.reshape((-1,) + w.shape)[0] if g.ndim > w.ndim else g, np.asarray(w))
+
+
+_REGISTRY: dict = {}  # a global dict, empty when first traced, filled later
+
+
+@pytest.mark.parametrize('name', RUNS)
+def test_a_container_empty_at_the_first_trace_is_seen_when_filled(name):
+  """A dict holding no state when the function was first traced gains a Variable: the next
+  call reads it (the cached trace knew the dict empty and used to be kept)."""
+  _REGISTRY.clear()
+  g = make(name, lambda x: x + sum((v[...] for v in _REGISTRY.values()), jnp.zeros(3)))
+  assert_matches(name, g(X), lambda x: x, X)
+  _REGISTRY['w'] = nnx.Variable(jnp.full(3, 2.0))
+  assert_matches(name, g(X), lambda x: x + 2.0, X)
+  _REGISTRY['w'][...] = jnp.full(3, 5.0)
+  assert_matches(name, g(X), lambda x: x + 5.0, X)
+  _REGISTRY.clear()
+  assert_matches(name, g(X), lambda x: x, X)
+
+
+class _GlobalScaled(nnx.Module):
+  def __call__(self, x):
+    return x * _GLOBAL_SCALE[...]
+
+
+_GLOBAL_SCALE = nnx.Param(jnp.full(3, 2.0))
+
+
+@pytest.mark.parametrize('name', RUNS)
+def test_a_global_variable_read_in_a_method_of_a_captured_module_is_found(name):
+  """The Module is called from another function, not passed as the transformed callable: its
+  method's global Variable is found all the same (it used to be baked in as a constant)."""
+  _GLOBAL_SCALE[...] = jnp.full(3, 2.0)
+  m = _GlobalScaled()
+  g = make(name, lambda x: m(x))
+  assert_matches(name, g(X), lambda x: x * 2.0, X)
+  _GLOBAL_SCALE[...] = jnp.full(3, 5.0)
+  assert_matches(name, g(X), lambda x: x * 5.0, X)
+
+
+@pytest.mark.parametrize('name', RUNS)
+def test_a_variable_set_to_a_non_array_between_warm_calls_is_named(name):
+  """The first call and a warm one refuse it alike: a TypeError naming the Variable (a warm call
+  gave JAX's internal 'Error interpreting argument'); nothing changes, and the next call works."""
+  w = nnx.Param(jnp.ones(3))
+  g = make(name, lambda x: x * w[...])
+  g(X), g(X)
+  w.set_value('not an array')
+  with pytest.raises(TypeError, match=r"Param at \('w',\) holds a str \('not an array'\), not an array"):
+    g(X)
+  assert w.get_value() == 'not an array'
+  w.set_value(jnp.full(3, 3.0))
+  assert_matches(name, g(X), lambda x: x * 3.0, X)
+
+
+@pytest.mark.parametrize('name', RUNS)
+def test_dropped_models_leave_no_arrays_behind(name):
+  """Warm calls keep the values they passed; when a model is dropped and its plan replaced, or
+  the function dropped, what they kept of it goes too (generations of models left 4, 8, 12,
+  16 arrays alive). The last plan holds its model until the next call or the function goes."""
+  import gc
+  import weakref
+
+  holder = {}
+  g = make(name, lambda x: x * holder['m'].w[...])
+  gone = []
+  for k in range(4):
+    m = _Holder()
+    m.w[...] = jnp.full(3, float(k), jnp.float32)
+    holder['m'] = m
+    g(X), g(X)
+    gone.append(weakref.ref(m.w.get_value()))
+    assert_matches(name, g(X), lambda x: x * float(k), X)
+  holder.clear()
+  del m
+  gc.collect()
+  assert [r() is None for r in gone[:3]] == [True] * 3
+  del g
+  gc.collect()
+  assert gone[3]() is None
+
+
+class _Replacing(nnx.Module):
+  def __init__(self):
+    self.h = nnx.Variable(jnp.zeros(3))
+
+  def __call__(self, x):
+    self.h = nnx.Variable(self.h[...] * 0.5 + x)  # a new Variable on every call
+    return x
+
+
+def test_a_variable_replaced_on_every_call_keeps_updating_and_sees_outside_writes():
+  """``jit`` (the transform that keeps what a call attaches without stacking it) against eager
+  Python: each call's new Variable is the next call's input, and a write between calls counts."""
+  ours, eager = _Replacing(), _Replacing()
+  g = bnx.jit(lambda x: ours(x))
+  for _ in range(4):
+    g(X)
+    eager(X)
+    np.testing.assert_allclose(ours.h[...], eager.h[...], rtol=1e-6)
+  ours.h[...] = jnp.full(3, 100.0)
+  eager.h[...] = jnp.full(3, 100.0)
+  g(X)
+  eager(X)
+  np.testing.assert_allclose(ours.h[...], eager.h[...], rtol=1e-6)

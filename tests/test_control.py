@@ -303,3 +303,46 @@ def test_branches_may_return_the_same_static_values_and_must_not_differ_in_them(
   assert int(bnx.ifelse([False, True], [lambda: 2, lambda: 3])) == 3  # Python numbers are arrays
   with pytest.raises(TypeError, match=r"ifelse: branch 1 returns 'up' but branch 0 returns 'down'"):
     bnx.ifelse([True, False], [lambda: 'down', lambda: 'up'])
+
+
+@pytest.mark.parametrize('operand', [np.ones(3, np.float32), 1.5, jnp.ones(3)], ids=['numpy', 'float', 'jax'])
+def test_a_passed_through_operand_comes_back_as_a_new_array(operand):
+  """Every branch returns its operand: the output is a JAX Array, as ``jax.lax.cond`` gives (it
+  was the numpy array itself, or the Python float)."""
+  want = jax.lax.cond(True, lambda x: x, lambda x: x, operand)
+  for got in (bnx.cond(True, lambda x: x, lambda x: x, operand), bnx.switch(1, [lambda x: x] * 2, operand)):
+    assert type(got) is type(want) and (got is operand) == (want is operand)  # a jax Array: itself
+    assert (got.dtype, got.weak_type, got.shape) == (want.dtype, want.weak_type, want.shape)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_under_disable_jit_only_the_branch_taken_runs():
+  """brainstate's control-flow tutorial: under ``jax.disable_jit()`` ``jax.lax.cond`` runs the
+  taken branch only, so branches may return different static values; so does brainnx, and a
+  failing branch leaves every Variable as it was."""
+  ran, v = [], nnx.Variable(jnp.zeros(()))
+
+  def left():
+    ran.append('left')
+    v[...] += 1
+    return 'left'
+
+  def right():
+    ran.append('right')
+    return 2.0
+
+  with jax.disable_jit():
+    assert jax.lax.cond(True, left, right) == 'left'
+    v[...] = 0.0
+    ran.clear()
+    assert bnx.cond(True, left, right) == 'left' and ran == ['left'] and float(v[...]) == 1.0
+    assert bnx.cond(False, left, right) == 2.0 and ran == ['left', 'right']
+    assert bnx.switch(7, [right, left], ) == 'left'  # clamped, as jax.lax.switch
+
+    def fails():
+      v[...] += 10
+      raise RuntimeError('in the branch')
+
+    with pytest.raises(RuntimeError, match='in the branch'):
+      bnx.cond(True, fails, right)
+    assert float(v[...]) == 2.0

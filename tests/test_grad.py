@@ -294,3 +294,33 @@ def test_a_filter_matching_nothing_shows_the_paths_it_sees_and_the_diff_state_re
   # the rewrite the error gives is nnx.grad's own
   _tree_equal(bnx.grad(loss, argnums=nnx.DiffState(0, on_own_paths))(model, x),
               nnx.grad(loss, argnums=nnx.DiffState(0, on_own_paths))(model, x))
+
+
+def test_a_variable_reached_twice_has_one_gradient_as_in_nnx_grad():
+  """``dict(a=[p1, p2], b=p1)``: p1's gradient sits at its first place only, the second holds an
+  empty State (it had three leaves, so nnx.update and the optimizer saw another structure)."""
+  p1, p2 = nnx.Param(jnp.array(1.0)), nnx.Param(jnp.array(2.0))
+  m = dict(a=[p1, p2], b=p1)
+  loss = lambda m: m['a'][0][...] * 3 + m['a'][1][...] + m['b'][...] ** 2  # noqa: E731
+  want, got = nnx.grad(loss)(m), bnx.grad(loss)(m)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  jax.tree.map(np.testing.assert_allclose, got, want)
+  assert float(got['a'][0][...]) == 5.0 and isinstance(got['b'], nnx.State) and not got['b']
+
+
+def test_a_constant_written_inside_grad_leaves_an_array():
+  """The loss writes a constant (a literal of the jaxpr): the Variable holds an Array after the
+  call, as under nnx.grad, and a constant gradient is an Array too (both were jax's typed
+  Python scalars, which ``v[...]`` could not index)."""
+  ours, theirs = nnx.Linear(1, 1, rngs=nnx.Rngs(0)), nnx.Linear(1, 1, rngs=nnx.Rngs(0))
+
+  def loss(m):
+    m.kernel.set_value(jnp.array(-1.0))
+    return m.bias[...].sum() + 0.0 * m.kernel[...].sum()
+
+  want, got = nnx.grad(loss)(theirs), bnx.grad(loss)(ours)
+  assert isinstance(ours.kernel.get_value(), jax.Array) and float(ours.kernel[...]) == -1.0
+  assert type(ours.kernel.get_value()) is type(theirs.kernel.get_value())
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert isinstance(g, jax.Array)
+    np.testing.assert_allclose(g, w)

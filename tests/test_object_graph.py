@@ -534,3 +534,151 @@ def test_an_attribute_replaced_on_every_call_holds_each_calls_value():
   m.w[...] = jnp.full(2, 3.0)  # the followed plan still sees writes from outside
   f(m, jnp.ones(2))
   np.testing.assert_array_equal(np.asarray(m.y[...]), [3.0, 3.0])
+
+
+# -- programs written outside the suite (the oracle: eager Python, nnx.jit) -----------------
+
+
+class _SowsTwice(nnx.Module):
+  def __init__(self):
+    self.l = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+  def __call__(self, x):
+    self.sow(nnx.Intermediate, 'h', x)
+    self.sow(nnx.Intermediate, 'h', x * 2)  # the value becomes a tuple of two
+    return self.l(x)
+
+
+def _forward_and_pop(m, x):
+  return m(x), nnx.pop(m, nnx.Intermediate)
+
+
+@pytest.mark.filterwarnings('ignore:.*sow')
+@pytest.mark.parametrize('jitter', [bnx.jit, nnx.jit], ids=['bnx.jit', 'nnx.jit'])
+def test_popped_intermediates_come_back_whole(jitter):
+  """``nnx.pop`` after two ``sow``s returns both values (one came back)."""
+  want = nnx.to_pure_dict(_forward_and_pop(_SowsTwice(), jnp.ones(2))[1])
+  m = _SowsTwice()
+  f = jitter(_forward_and_pop)
+  for _ in range(2):
+    got = nnx.to_pure_dict(f(m, jnp.ones(2))[1])
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    jax.tree.map(np.testing.assert_allclose, got, want)
+    assert not hasattr(m, 'h')
+
+
+@pytest.mark.filterwarnings('ignore:.*sow')
+def test_nnx_capture_inside_jit_captures_every_sown_value():
+  """flax's intermediates guide: ``nnx.capture`` called inside the jitted step (with
+  ``method_outputs`` too) gives what it gives eagerly."""
+  def step(m, x):
+    return nnx.capture(m, nnx.Intermediate, method_outputs=nnx.Intermediate)(x)
+
+  want_y, want = step(_SowsTwice(), jnp.ones(2))
+  m = _SowsTwice()
+  got_y, got = bnx.jit(step)(m, jnp.ones(2))
+  np.testing.assert_allclose(got_y, want_y, rtol=1e-6)
+  want, got = nnx.to_pure_dict(want), nnx.to_pure_dict(got)
+  assert jax.tree.structure(got) == jax.tree.structure(want), (got, want)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, want)
+
+
+class _LazyCache(nnx.Module):
+  """A cache dict filled on first use (``nnx.data``: a plain dict flax treats as data)."""
+
+  def __init__(self, holder):
+    self.cache = nnx.data(holder)
+
+  def __call__(self, x):
+    if 'k' not in self.cache:
+      self.cache['k'] = nnx.Cache(jnp.zeros(()))
+    self.cache['k'][...] += x
+    return self.cache['k'][...]
+
+
+class _LazyList(nnx.Module):
+  """A Module appended to an empty list on first use."""
+
+  def __init__(self):
+    self.layers = nnx.data([])
+
+  def __call__(self, x):
+    if not self.layers:
+      self.layers.append(_Counter())
+    return self.layers[0](x)
+
+
+class _Counter(nnx.Module):
+  def __init__(self):
+    self.n = nnx.Variable(jnp.zeros(()))
+
+  def __call__(self, x):
+    self.n[...] += x
+    return self.n[...]
+
+
+class _Trainer:
+  """A plain object whose empty list gets a Module on first use."""
+
+  def __init__(self):
+    self.parts = []
+
+  def step(self, x):
+    if not self.parts:
+      self.parts.append(_Counter())
+    return self.parts[0](x)
+
+
+@pytest.mark.parametrize('program', ['nnx.data dict', 'nnx.data list', 'plain object list'])
+@pytest.mark.parametrize('form', ['closure', 'argument'])
+def test_a_container_filled_on_first_use_keeps_counting(program, form):
+  """A container that held no state at the first trace gains its state in that call: every
+  later call updates it (bnx.jit gave [1, 1, 1, 1]; eager and nnx.jit give [1, 2, 3, 4])."""
+  make = {'nnx.data dict': lambda: _LazyCache({}), 'nnx.data list': _LazyList,
+          'plain object list': _Trainer}[program]
+  call = (lambda o, x: o.step(x)) if program == 'plain object list' else (lambda o, x: o(x))
+  eager, ours = make(), make()
+  if form == 'closure':
+    f = bnx.jit(lambda x: call(ours, x))
+    got = [float(f(1.0)) for _ in range(4)]
+  else:
+    f = bnx.jit(call)
+    got = [float(f(ours, 1.0)) for _ in range(4)]
+  assert got == [float(call(eager, 1.0)) for _ in range(4)] == [1.0, 2.0, 3.0, 4.0]
+
+
+_LAZY_GLOBAL: dict = {}
+
+
+def _fill_global_on_first_use(x):
+  if 'n' not in _LAZY_GLOBAL:
+    _LAZY_GLOBAL['n'] = nnx.Variable(jnp.zeros(()))
+  _LAZY_GLOBAL['n'][...] += x
+  return _LAZY_GLOBAL['n'][...]
+
+
+def test_a_global_dict_filled_on_first_use_keeps_counting():
+  _LAZY_GLOBAL.clear()
+  f = bnx.jit(_fill_global_on_first_use)
+  assert [float(f(1.0)) for _ in range(4)] == [1.0, 2.0, 3.0, 4.0]
+
+
+class _Foo(nnx.Pytree):
+  def __init__(self):
+    self.a = nnx.data([jnp.array(1.0), jnp.array(2.0)])  # arrays in a list: data, as in nnx.split
+
+
+@pytest.mark.parametrize('form', ['argument', 'closure'])
+def test_flax_pytree_guide_list_of_arrays_replaced_per_call(form):
+  """flax's pytree guide: ``foo.a = [x * 2 for x in foo.a]`` jitted three times gives
+  [8, 16] (it gave [1, 2] under brainnx)."""
+  def double(foo):
+    foo.a = [x * 2 for x in foo.a]
+
+  want, foo = _Foo(), _Foo()
+  f = bnx.jit(double) if form == 'argument' else bnx.jit(lambda: double(foo))
+  for _ in range(3):
+    nnx.jit(double)(want)
+    f(foo) if form == 'argument' else f()
+  assert [float(x) for x in want.a] == [8.0, 16.0]
+  assert [float(x) for x in foo.a] == [8.0, 16.0]

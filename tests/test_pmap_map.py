@@ -111,3 +111,14 @@ def test_a_counter_a_two_device_pmap_wrote_is_read_by_a_four_device_pmap_as_jax_
     np.testing.assert_array_equal(f(x), y_ref)
     assert float(counter[...]) == float(c_ref)
   assert float(c_ref) == 3.0
+
+
+def test_pmap_reads_a_variable_committed_to_another_device():
+  """A Variable committed to device 1 (jax.pmap takes such inputs; brainnx raised jax's
+  DeviceAssignmentMismatchError): the values equal jax.pmap's on the pure function."""
+  scale = nnx.Variable(jax.device_put(jnp.full((), 3.0), jax.devices()[1]))
+  x = jnp.arange(4.0)
+  want = jax.pmap(lambda x, s: x * s, in_axes=(0, None))(x, scale[...])
+  f = bnx.pmap(lambda x: x * scale[...])
+  np.testing.assert_array_equal(f(x), want)
+  np.testing.assert_array_equal(f(x), want)  # warm

@@ -32,7 +32,8 @@ from flax import nnx
 
 from brainnx import _compat
 from brainnx._engine.guard import DATA, GRAPH, STATIC, Guard
-from brainnx._engine.nodes import ARRAY_TYPES, ATOM_TYPES, describe, holds_graph_node, is_plain_object, key_name, static_key
+from brainnx._engine.nodes import (ARRAY_TYPES, ATOM_TYPES, describe, holds_graph_node, is_plain_object, is_reference,
+                                   key_name, static_key)
 from brainnx._engine.roots import Root, RootFinder, RootKind
 from brainnx._engine.sentinels import MISSING
 
@@ -267,8 +268,10 @@ def _source_value(source: tuple):
 
 
 def _is_state(x) -> bool:
-  """A container entry a call may not leave changed on error: a graph node or an array."""
-  return isinstance(x, ARRAY_TYPES) or holds_graph_node(x)
+  """A container entry a call may not leave changed on error: a graph node, an array, or a
+  list, tuple or dict holding arrays (``foo.a = [x * 2 for x in foo.a]``)."""
+  return isinstance(x, ARRAY_TYPES) or holds_graph_node(x) or (
+    isinstance(x, (list, tuple, dict)) and any(isinstance(leaf, ARRAY_TYPES) for leaf in jax.tree.leaves(x)))
 
 
 class _Walker:
@@ -469,11 +472,11 @@ def discover(roots: Any, args: tuple, kwargs: dict) -> Discovery:
   finder = RootFinder(walker)
   for i, a in enumerate(args):
     finder.roots.append(Root(i, RootKind.ARG))
-    walker.track_stateless = holds_graph_node(a)
+    walker.track_stateless = is_reference(a) or holds_graph_node(a)
     walker.walk(a, (i,), len(finder.roots) - 1)
   for k, a in kwargs.items():
     finder.roots.append(Root(k, RootKind.KWARG))
-    walker.track_stateless = holds_graph_node(a)
+    walker.track_stateless = is_reference(a) or holds_graph_node(a)
     walker.walk(a, (k,), len(finder.roots) - 1)
   walker.track_stateless = True
   finder.explore(roots)

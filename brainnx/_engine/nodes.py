@@ -104,8 +104,14 @@ def holds_graph_node(x: Any, _seen=None) -> bool:
 
 
 def is_reference(x: Any) -> bool:
-  """Passed by reference into a transform: a graph node, or a plain object holding one."""
-  return is_graph_node(x) or (is_plain_object(x) and holds_graph_node(x))
+  """Passed by reference into a transform: a graph node, or a plain object holding one or
+  not registered as a pytree (JAX could not take it as an argument: a ``Trainer`` whose list
+  is still empty)."""
+  return is_graph_node(x) or (is_plain_object(x) and (holds_graph_node(x) or _is_pytree_leaf(x)))
+
+
+def _is_pytree_leaf(x: Any) -> bool:
+  return jax.tree_util.treedef_is_leaf(jax.tree.structure(x))
 
 
 def is_int(x) -> bool:

@@ -33,6 +33,7 @@ import jax
 
 from brainnx import _compat
 from brainnx._engine.arguments import ArgKind, CallArgs
+from brainnx._engine.call import check_values
 from brainnx._engine.discovery import Discovery
 from brainnx._engine.nodes import holds_graph_node
 from brainnx._engine.sentinels import MISS
@@ -175,7 +176,11 @@ def warm_call(plan: Plan):
       entry = kept.get(me)
       values = fresh(plan) if entry is None else entry[1]
       current.plan = me
-      result = compiled(values, *args)
+      try:
+        result = compiled(values, *args)
+      except TypeError:
+        explain_bad_values(plan)
+        raise
       kind = type(result)
       if kind is Written:
         write(plan, result.written)
@@ -191,9 +196,23 @@ def warm_call(plan: Plan):
     if dyn is None:
       return MISS
     current.plan = me
-    return complete_call(plan, compiled(*plan.state(), *dyn))
+    try:
+      result = compiled(*plan.state(), *dyn)
+    except TypeError:
+      explain_bad_values(plan)
+      raise
+    return complete_call(plan, result)
 
   return warm_general
+
+
+def explain_bad_values(plan: Plan) -> None:
+  """After JAX refused a warm call's arguments: the ``TypeError`` naming a Variable that holds
+  something other than arrays (set since the last call), if one does; JAX's own otherwise."""
+  try:
+    check_values(plan.disc, read_values(plan.variables))
+  except TypeError as named:
+    raise named from None
 
 
 def fresh_values(plan: Plan) -> list:

@@ -197,15 +197,17 @@ class RootFinder:
 def user_methods(cls: type) -> tuple:
   """The functions written in user code that ``cls`` and its bases define (methods, static and
   class methods, property accessors)."""
-  found = []
-  for klass in cls.__mro__:
-    for attr in vars(klass).values():
+  found: dict = {}
+  for klass in cls.__mro__:  # each level's own (a base's method a subclass overrides may run through super())
+    if klass is object:
+      continue
+    for name in dir(klass):
+      attr = inspect.getattr_static(klass, name, None)
       if isinstance(attr, (staticmethod, classmethod)):
         attr = attr.__func__
-      fns = (attr.fget, attr.fset) if isinstance(attr, property) else (attr,)
-      for fn in fns:
+      for fn in (attr.fget, attr.fset) if isinstance(attr, property) else (attr,):
         if isinstance(fn, types.FunctionType) and not fn.__code__.co_filename.startswith(LIBRARY_DIRS):
-          found.append(fn)
+          found[fn] = None
   return tuple(found)
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import jax
@@ -39,22 +38,10 @@ from brainnx._engine.structure import NO_ATTACHMENTS, Attachments, GraphSplit, K
 
 #: Held while Variables hold tracers and while values are written back, so that no brainnx
 #: call in one thread sees another thread's tracers (warm reads take it only when
-#: ``STATE_CHANGES`` says a change is under way: see :func:`read_values`).
-TRACE_LOCK = threading.RLock()
-
-class StateChanges:
-  """Changes of Variable values that another thread must not see half done (a trace swapping
-  tracers in, a write-back), counted under ``TRACE_LOCK``: ``under_way`` now, ``begun`` ever.
-  A warm call reads without taking the lock when none is under way and none began during its
-  read."""
-
-  __slots__ = ('under_way', 'begun')
-
-  def __init__(self):
-    self.under_way = self.begun = 0
-
-
-STATE_CHANGES = StateChanges()
+#: ``STATE_CHANGES`` says a change is under way: see :func:`read_values`); flax's writes from
+#: other threads wait for it.
+TRACE_LOCK = _compat.TRACE_LOCK
+STATE_CHANGES = _compat.STATE_CHANGES
 
 
 def read_values(variables: Sequence) -> list:

@@ -33,7 +33,7 @@ from brainnx._engine.discovery import discover
 from brainnx._engine.config import Config
 from brainnx._engine.eager import call
 from brainnx._engine.errors import check_callable
-from brainnx._engine.loop_body import LoopBody, dyn_leaves, strong_typed
+from brainnx._engine.loop_body import LoopBody, all_or_nothing, dyn_leaves, in_python, strong_typed
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -213,6 +213,9 @@ def _restructured(bodies: list, written: list) -> frozenset:
 
 def _switch_impl(config: SwitchConfig, branches: tuple, index, *operands):
   name = config.name
+  if in_python():  # as jax.lax.cond under jax.disable_jit(): only the branch taken runs
+    branch = branches[int(np.clip(index, 0, len(branches) - 1))]
+    return all_or_nothing(branch, operands, lambda: branch(*operands))
   disc = discover(branches, operands, {})
   bodies = [LoopBody(b, operands, name, disc) for b in branches]
   shapes = [jax.tree.map(_signature, b.trace.out_shapes(b.disc)) for b in bodies]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from typing import Any, Callable, Hashable
 
 import jax
@@ -73,8 +74,8 @@ class MappedFunction:
       self._program = program(_mapped_impl, self.config, (self,), options=options)
     try:
       return self._program(*args, **kwargs)
-    except ValueError as e:
-      if self.config.mapper is not Mapper.PMAP or 'incompatible devices' not in str(e):
+    except _compat.DEVICE_MISMATCH_ERRORS as e:
+      if self.config.mapper is not Mapper.PMAP or not _compat.is_device_mismatch(e):
         raise
     # jax.pmap takes inputs committed to other devices (a counter a 2-device pmap wrote, now read
     # by a 4-device one), where the compiled program around it cannot: move them, as pmap would
@@ -128,9 +129,14 @@ def mapped_call(cfg: VmapConfig, args: tuple, kwargs: dict):
     dyn_in = tuple(one_of_zeros(list(dyn_in), list(layout.dyn_axes)))
     layout = dataclasses.replace(layout, size=1)
   decisions = Record(cfg.name)  # set by the first trace of ``body``; pmap traces twice
+  # jax.pmap's cache keeps ``body`` alive (in C++): it reaches the call, and through it the
+  # Variables, only while the call runs
+  call_ref = weakref.ref(stateful)
 
   def body(states, dyn):
     trace = _compat.current_trace()
+    stateful = call_ref()
+    disc = stateful.disc
     step = stateful.step(states, dyn)
     out_spec, out_leaves = step.split_out(disc)
     written = [i for i in step.written if i not in stream_vars]
