@@ -1,0 +1,491 @@
+"""A differential program generator: it draws whole programs, runs each under brainnx and under
+its oracle, and compares everything a user can observe.
+
+A program is a world (a Module tree with the Variable kinds users write, a global Variable), a
+body (the statements of one function over that world), a way the function reaches the world
+(argument, closure, global, a plain object, a bound method), a transform (or a nest of them) and
+a sequence of calls with edits between them (every route by which code outside writes a
+Variable or changes the graph). Two identical worlds are built: world A runs under brainnx,
+world B under the oracle, which reaches its world through an explicit argument:
+
+- ``jit``, ``remat``, ``cond``, ``switch``: eager Python (only the branch taken runs);
+- ``vmap``: eager Python on the whole batch (every statement broadcasts over it), every RNG
+  stream advanced once (the documented split per element), and a ``BatchAxisError`` with
+  every Variable as before where a batched value is written into a broadcast Variable;
+- ``for_loop``, ``scan``: a Python loop over the rows;
+- ``grad``, ``value_and_grad``: ``nnx.grad`` / ``nnx.value_and_grad`` with the world passed;
+- ``eval_shape``: the shapes eager Python gives, and no Variable changed.
+
+After every call: outputs (structure, values, array types, returned inputs being the very
+objects), then every Variable of world A against world B (paths, types, values). Run
+``python benchmarks/differential_long.py`` for the long profile; ``VOCABULARY`` below is what
+a program may contain (``tests/README.md`` says how to add to it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+import threading
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from hypothesis import strategies as st
+
+import brainnx as bnx
+
+
+class Counter(nnx.Variable):
+  """A user-defined Variable type."""
+
+
+#: A global read inside a method of the Module (the Module is reached as data, not called).
+GSCALE = nnx.Variable(jnp.full((3,), 1.5))
+
+
+class Holder(nnx.Module):
+  """A node created inside a call and returned: a Variable holding a pytree."""
+
+  def __init__(self, x):
+    self.t = nnx.Variable({'k': x, 'j': (x * 10.0, x.sum(-1))})
+
+
+@dataclasses.dataclass(frozen=True)
+class WorldSpec:
+  layers: bool  # Linear, BatchNorm (training mode), Dropout
+  tree: bool  # a Variable whose value is a pytree
+  shared: bool  # one Variable at two attributes
+  empty_cache: bool  # ``nnx.data({})`` (else holding one Cache)
+  empty_list: bool  # ``nnx.data([])`` (else an ``nnx.List`` holding one Param)
+  rngs: bool
+
+
+class Net(nnx.Module):
+  def __init__(self, spec: WorldSpec):
+    self.w = nnx.Param(jnp.array([0.5, -1.0, 2.0]))
+    self.c = Counter(jnp.array(1.0))
+    self.h = nnx.Variable(jnp.zeros(3))
+    if spec.layers:
+      self.lin = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+      self.bn = nnx.BatchNorm(3, use_running_average=False, rngs=nnx.Rngs(0))
+      self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(1))
+    self.named = nnx.Dict(a=nnx.Param(jnp.full(3, -0.5)))
+    if spec.tree:
+      self.t = nnx.Variable({'k': jnp.full(3, 0.5), 'j': (jnp.arange(3.0), jnp.array(2.0))})
+    if spec.shared:
+      self.alias = self.w
+    self.cache = nnx.data({} if spec.empty_cache else {'a': nnx.Cache(jnp.ones(3))})
+    self.items = nnx.data([]) if spec.empty_list else nnx.List([nnx.Param(jnp.full(3, 0.25))])
+    if spec.rngs:
+      self.rngs = nnx.Rngs(0)
+
+  def scaled(self, x):
+    return x * GSCALE[...]
+
+
+class Runner(nnx.Module):
+  """Holds the model; its bound method is the transformed function (access ``method``)."""
+
+  def __init__(self, model):
+    self.model = model
+
+
+class Trainer:
+  """A plain object holding the model (access ``trainer``)."""
+
+  def __init__(self, model):
+    self.model = model
+
+
+# -- the vocabulary ---------------------------------------------------------------------------
+# Each statement: its source (``m`` the model, ``G`` the global Variable, ``acc`` the running
+# value, shape (3,) or (batch, 3)), what it needs of the world, and what it is:
+# 'read', 'write' (independent of the batch), 'batched write', 'create' (attaches Variables),
+# 'rng' (draws from the model's Rngs).
+
+
+@dataclasses.dataclass(frozen=True)
+class Statement:
+  source: str
+  kind: str
+  needs: str = ''  # a WorldSpec field that must be true
+  target: str = ''  # the Variable a write writes
+  constant: bool = False  # a write of a value that depends on nothing
+
+
+VOCABULARY = (
+  Statement('acc = acc + m.w[...]', 'read'),
+  Statement('acc = acc * m.c[...] + 1.0', 'read'),
+  Statement('acc = acc + G[...]', 'read'),
+  Statement('acc = m.scaled(acc)', 'read'),
+  Statement('acc = m.lin(acc)', 'read', 'layers'),
+  Statement('acc = m.bn(acc[..., None, :])[..., 0, :] + acc', 'batched write', 'layers', 'bn'),
+  Statement('acc = m.drop(acc)', 'rng', 'layers'),
+  Statement('acc = acc + sum((v[...] for v in m.named.values()), jnp.zeros(3))', 'read'),
+  Statement("acc = acc + m.t['k'] * m.t['j'][1] + m.t['j'][0]", 'read', 'tree'),
+  Statement('acc = acc - m.alias[...]', 'read', 'shared'),
+  Statement('acc = acc + sum((v[...] for v in m.cache.values()), jnp.zeros(3))', 'read'),
+  Statement('acc = acc + sum((v[...] for v in m.items), jnp.zeros(3))', 'read'),
+  Statement('acc = jnp.tanh(acc)', 'read'),
+  Statement('m.c[...] = m.c[...] + 1.0', 'write', target='c'),
+  Statement('m.w[...] = m.w[...] * 0.9', 'write', target='w'),
+  Statement('G[...] = G[...] - 0.5', 'write', target='G'),
+  Statement("m.t.set_value({'k': m.t['k'] * 2.0, 'j': (m.t['j'][0] + 1.0, m.t['j'][1] - 1.0)})", 'write', 'tree', 't'),
+  Statement('m.c.set_value(jnp.array(-1.0))', 'write', target='c', constant=True),  # a literal of the jaxpr
+  Statement('m.w[...] = m.w[...] * 0.5 + acc', 'batched write', target='w'),
+  Statement('m.c[...] = m.c[...] + acc.sum()', 'batched write', target='c'),
+  Statement('G[...] = acc * 0.1', 'batched write', target='G'),
+  Statement("m.sow(nnx.Intermediate, 's', acc)", 'create'),
+  Statement('m.h = nnx.Variable(m.h[...] * 0.5 + acc)', 'create'),
+  Statement("if 'z' not in m.cache:\n  m.cache['z'] = nnx.Cache(jnp.zeros(3))\nm.cache['z'][...] += acc", 'create'),
+  Statement('if len(m.items) < 2:\n  m.items.append(nnx.Param(jnp.ones(3)))\nacc = acc + m.items[-1][...]', 'create'),
+  Statement("if 'b' not in m.named:\n  m.named['b'] = nnx.Param(jnp.ones(3))\nacc = acc * m.named['b'][...]", 'create'),
+  Statement("if not hasattr(m, 'extra'):\n  m.extra = nnx.Linear(3, 3, rngs=nnx.Rngs(2))\nacc = m.extra(acc)", 'create'),
+  Statement("if 'a' in m.cache:\n  del m.cache['a']", 'create'),  # a node popped inside
+  Statement('acc = acc + m.rngs.uniform((3,))', 'rng', 'rngs'),
+)
+
+RETURNS = {
+  'acc': 'return acc',
+  'model': 'return acc, m',
+  'popped': 'return acc, nnx.pop(m, nnx.Intermediate)',
+  'created': 'return acc, Holder(acc)',
+  'captured': "return nnx.capture(lambda m, a: (m.sow(nnx.Intermediate, 'cap', a), a * 2.0)[1], nnx.Intermediate)(m, acc)",
+}
+
+# transform -> (statement kinds it takes, return forms it takes)
+TRANSFORMS = {
+  'jit': ({'read', 'write', 'batched write', 'create', 'rng'}, ('acc', 'model', 'popped', 'created', 'captured')),
+  'vmap': ({'read', 'write', 'batched write'}, ('acc', 'model')),
+  'jit(vmap)': ({'read', 'write', 'batched write'}, ('acc',)),
+  'for_loop': ({'read', 'write', 'batched write', 'rng'}, ('acc',)),
+  'jit(for_loop)': ({'read', 'write', 'batched write', 'rng'}, ('acc',)),
+  'scan': ({'read', 'write', 'batched write', 'rng'}, ('acc',)),
+  'grad': ({'read', 'write', 'batched write', 'rng'}, ('acc',)),
+  'value_and_grad': ({'read', 'write', 'batched write', 'rng'}, ('acc',)),
+  'cond': ({'read', 'write', 'batched write', 'rng'}, ('acc',)),
+  'switch': ({'read', 'write', 'batched write', 'rng'}, ('acc',)),
+  'remat': ({'read', 'write', 'batched write', 'rng'}, ('acc', 'model', 'created')),
+  'eval_shape': ({'read', 'write', 'batched write', 'rng'}, ('acc', 'created')),
+  'vmap(jit)': ({'read', 'write', 'batched write'}, ('acc',)),
+  'jit(grad)': ({'read', 'write', 'batched write', 'rng'}, ('acc',)),
+  'grad(jit)': ({'read', 'write', 'batched write', 'rng'}, ('acc',)),
+  'jit(cond)': ({'read', 'write', 'batched write', 'rng'}, ('acc',)),
+  'jit(remat)': ({'read', 'write', 'batched write', 'rng'}, ('acc', 'model')),
+}
+BATCHED = ('vmap', 'jit(vmap)', 'vmap(jit)')  # the input is a batch of 2
+LOOPS = ('for_loop', 'jit(for_loop)', 'scan')  # the input is 2 rows, one per step
+
+ACCESS = ('arg', 'closure', 'global', 'trainer', 'method')
+
+
+def _edit_set_value(m, G, k):
+  m.w.set_value(jnp.full(3, 0.25 * k, jnp.float32))
+
+
+def _edit_setitem(m, G, k):
+  G[...] = jnp.full(3, -0.5 * k, jnp.float32)
+
+
+def _edit_update(m, G, k):
+  nnx.update(m, nnx.State({'c': Counter(jnp.array(2.0 + k, jnp.float32))}))
+
+
+def _edit_replace(m, G, k):
+  m.w = nnx.Param(jnp.full(3, 1.0 + k, jnp.float32))  # a new Variable at a known place
+
+
+def _edit_fill(m, G, k):
+  m.cache[f'late{k}'] = nnx.Cache(jnp.full(3, float(k), jnp.float32))  # a container gains state
+
+
+def _edit_nnx_jit(m, G, k):
+  nnx.jit(lambda m: m.c.set_value(m.c[...] * 2.0))(m)
+
+
+def _edit_set_h(m, G, k):
+  m.h[...] = jnp.full(3, 100.0 + k, jnp.float32)  # perhaps a Variable the calls replace
+
+
+def _edit_gscale(m, G, k):
+  GSCALE[...] = jnp.full(3, 1.5 + k, jnp.float32)  # a global of the module: one for both worlds
+
+
+def _edit_pop(m, G, k):
+  nnx.pop(m, nnx.Intermediate)
+
+
+def _edit_delete(m, G, k):
+  if hasattr(m, 'extra'):
+    del m.extra  # a node the calls attached, removed from outside
+
+
+def _edit_thread(m, G, k):
+  t = threading.Thread(target=lambda: m.c.set_value(jnp.array(-float(k), jnp.float32)))
+  t.start()
+  t.join()
+
+
+EDITS: dict[str, Callable] = {
+  'set_value': _edit_set_value, 'setitem': _edit_setitem, 'nnx.update': _edit_update,
+  'replace': _edit_replace, 'fill': _edit_fill, 'nnx.jit': _edit_nnx_jit, 'thread': _edit_thread,
+  'set h': _edit_set_h, 'GSCALE': _edit_gscale, 'nnx.pop': _edit_pop, 'delete': _edit_delete,
+}
+SHARED_EDITS = ('GSCALE',)  # made once: both worlds read the same object
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  world: WorldSpec
+  body: tuple[int, ...]  # indices into VOCABULARY
+  returns: str
+  access: str
+  transform: str
+  edits: tuple[str | None, ...]  # before each call after the first
+  pred: bool = True  # cond's predicate / switch's branch (True: the function)
+
+  def source(self, oracle: bool) -> str:
+    """The function's source: world A's (reaching it as ``access`` says) or the oracle's
+    (``f(world, x)``)."""
+    lines = '\n'.join(VOCABULARY[i].source for i in self.body) + '\n' + RETURNS[self.returns]
+    if oracle:
+      return 'def f(world, x):\n  m, G = world["model"], world["G"]\n  acc = x\n' + textwrap.indent(lines, '  ')
+    body = textwrap.indent('acc = x\n' + lines, '    ')
+    head = {
+      'arg': 'def make(model, trainer):\n  def f(m, x):\n',
+      'closure': 'def make(model, trainer):\n  m = model\n  def f(x):\n',
+      'global': 'def make(model, trainer):\n  def f(x):\n    m = MODEL\n',
+      'trainer': 'def make(model, trainer):\n  def f(x):\n    m = trainer.model\n',
+      'method': 'def make(model, trainer):\n  def f(self, x):\n    m = self.model\n',
+    }[self.access]
+    return head + body + '\n  return f\n'
+
+  def __str__(self) -> str:
+    return (f'# {self.transform}, access={self.access}, world={self.world}, edits={self.edits}, '
+            f'pred={self.pred}\n' + self.source(oracle=False))
+
+
+@st.composite
+def programs(draw) -> Program:
+  """A program: world, transform, body in that transform's vocabulary, calls and edits."""
+  world = WorldSpec(*(draw(st.booleans()) for _ in range(6)))
+  transform = draw(st.sampled_from(sorted(TRANSFORMS)))
+  kinds, returns = TRANSFORMS[transform]
+  usable = [i for i, s in enumerate(VOCABULARY) if s.kind in kinds and (not s.needs or getattr(world, s.needs))]
+  body = tuple(draw(st.lists(st.sampled_from(usable), min_size=1, max_size=6)))
+  access = draw(st.sampled_from(ACCESS))
+  if access == 'arg' and transform in ('cond', 'switch', 'jit(cond)'):
+    access = 'closure'  # branches take the operand only
+  edits = tuple(draw(st.lists(st.one_of(st.none(), st.sampled_from(sorted(EDITS))), min_size=0, max_size=3)))
+  return Program(world, body, draw(st.sampled_from(returns)), access, transform, edits, draw(st.booleans()))
+
+
+# -- running a program ------------------------------------------------------------------------
+
+
+class World:
+  """One world: the model, the global Variable and the function over them."""
+
+  def __init__(self, program: Program, oracle: bool):
+    self.model = Net(program.world)
+    self.G = nnx.Variable(jnp.array([1.0, 0.0, -1.0]))
+    namespace = {'jnp': jnp, 'nnx': nnx, 'Holder': Holder, 'G': self.G, 'MODEL': self.model}
+    exec(program.source(oracle), namespace)  # noqa: S102 - the drawn program
+    if oracle:
+      self.f = namespace['f']
+      return
+    trainer = Trainer(self.model)
+    fn = namespace['make'](self.model, trainer)
+    runner = type('Runner', (Runner,), {'run': fn})(self.model)  # fn as a method of the class
+    if program.access == 'method':
+      fn = runner.run
+    self.f = fn
+    self.keep = (trainer, runner)
+
+  def state(self) -> dict:
+    return {path: (type(v), v.get_value()) for path, v in nnx.to_flat_state(nnx.state({'model': self.model, 'G': self.G}))}
+
+
+def _inputs(program: Program):
+  x = jnp.array([0.3, -0.7, 1.1])
+  if program.transform in BATCHED or program.transform in LOOPS:
+    return jnp.stack([x, x * -2.0 + 0.1])
+  return x
+
+
+def build_ours(program: Program, w: World) -> Callable:
+  """World A's function under the program's transform, built once: ``call(x)`` for every call
+  of the sequence (warm calls reuse what the first one cached, as a user's would)."""
+  f, t, model = w.f, program.transform, w.model
+  by_arg = program.access == 'arg'
+  f1 = (lambda x: w.f(model, x)) if by_arg else f  # noqa: E731 - the model passed by argument each call
+  with_model = (lambda g: lambda x: g(model, x)) if by_arg else (lambda g: g)  # noqa: E731
+  if t == 'jit':
+    return with_model(bnx.jit(f))
+  if t in ('vmap', 'jit(vmap)', 'vmap(jit)'):
+    inner = bnx.jit(f) if t == 'vmap(jit)' else f
+    g = bnx.vmap(inner, in_axes=(None, 0)) if by_arg else bnx.vmap(inner)
+    return with_model(bnx.jit(g) if t == 'jit(vmap)' else g)
+  if t == 'for_loop':
+    return lambda x: bnx.for_loop(f1, x)
+  if t == 'jit(for_loop)':
+    return bnx.jit(lambda xs: bnx.for_loop(f1, xs))
+  if t == 'scan':
+    step = lambda c, x: (c + f1(x), c)  # noqa: E731
+    return lambda x: bnx.scan(step, jnp.zeros(3), x)
+  if t in ('grad', 'value_and_grad', 'jit(grad)', 'grad(jit)'):
+    transform = getattr(bnx, 'value_and_grad' if t == 'value_and_grad' else 'grad')
+    inner = bnx.jit(f) if t == 'grad(jit)' else f
+    if by_arg:
+      g = transform(lambda m, x: inner(m, x).sum(), argnums=1)
+    else:
+      g = transform(lambda x: inner(x).sum())
+    return with_model(bnx.jit(g) if t == 'jit(grad)' else g)
+  if t == 'cond':
+    return lambda x: bnx.cond(program.pred, f1, _other_branch, x)
+  if t == 'jit(cond)':  # the predicate a traced value
+    g = bnx.jit(lambda x, p: bnx.cond(p, f1, _other_branch, x))
+    return lambda x: g(x, jnp.asarray(program.pred))
+  if t == 'jit(remat)':
+    return with_model(bnx.jit(bnx.remat(f)))
+  if t == 'switch':
+    return lambda x: bnx.switch(0 if program.pred else 1, [f1, _other_branch], x)
+  if t == 'remat':
+    return with_model(bnx.remat(f))
+  if t == 'eval_shape':
+    return (lambda x: bnx.eval_shape(f, model, x)) if by_arg else (lambda x: bnx.eval_shape(f, x))
+  raise AssertionError(t)
+
+
+def _other_branch(x):
+  return x * 2.0
+
+
+def run_oracle(program: Program, w: World, x):
+  """The same call on world B, without brainnx."""
+  world = {'model': w.model, 'G': w.G}
+  f = lambda x: w.f(world, x)  # noqa: E731
+  t = program.transform
+  if t in ('jit', 'vmap', 'jit(vmap)', 'vmap(jit)', 'remat', 'jit(remat)', 'eval_shape'):
+    return f(x)
+  if t in ('for_loop', 'jit(for_loop)'):
+    return jnp.stack([f(row) for row in x])
+  if t == 'scan':
+    c, ys = jnp.zeros(3), []
+    for row in x:
+      c, y = c + f(row), c
+      ys.append(y)
+    return c, jnp.stack(ys)
+  if t in ('grad', 'value_and_grad', 'jit(grad)', 'grad(jit)'):
+    transform = getattr(nnx, 'value_and_grad' if t == 'value_and_grad' else 'grad')
+    return transform(lambda x, world: w.f(world, x).sum())(x, nnx.Dict(world))
+  if t in ('cond', 'jit(cond)'):
+    return f(x) if program.pred else _other_branch(x)
+  if t == 'switch':
+    return f(x) if program.pred else _other_branch(x)
+  raise AssertionError(t)
+
+
+def expected_error(program: Program):
+  """The documented error a program must raise, if any (``None``: it must run): under ``vmap``,
+  a broadcast Variable whose final value depends on the batch (a later constant write undoes
+  an earlier batched one; a write reading a batched value stays batched)."""
+  if program.transform not in BATCHED:
+    return None
+  batched: dict = {}
+  for i in program.body:
+    s = VOCABULARY[i]
+    if s.kind == 'batched write':
+      batched[s.target] = True
+    elif s.constant:
+      batched[s.target] = False
+  return bnx.BatchAxisError if any(batched.values()) else None
+
+
+def reaches_model(program: Program) -> bool:
+  """Whether the function reaches the model (a closure reaches it only if its code names it)."""
+  if program.access != 'closure':
+    return True
+  return program.returns in ('model', 'popped') or any('m.' in VOCABULARY[i].source for i in program.body)
+
+
+def assert_same_output(program: Program, got, want, wa: World, wb: World) -> None:
+  is_node = lambda x: isinstance(x, (nnx.Module, nnx.Variable, nnx.State))  # noqa: E731
+  got_flat, got_def = jax.tree.flatten(got, is_leaf=is_node)
+  want_flat, want_def = jax.tree.flatten(want, is_leaf=is_node)
+  assert got_def == want_def, f'output structure {got_def} != {want_def}'
+  for g, w_ in zip(got_flat, want_flat, strict=True):
+    if isinstance(w_, nnx.Module) and w_ is wb.model:
+      assert g is wa.model, 'a returned input is not the very object'
+      continue
+    if is_node(w_):
+      g, w_ = _pure(g), _pure(w_)
+      assert jax.tree.structure(g) == jax.tree.structure(w_), f'returned node {g} != {w_}'
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(w_), strict=True):
+      _same_leaf(program, a, b, 'output')
+
+
+def _pure(node) -> dict:
+  return nnx.to_pure_dict(node if isinstance(node, nnx.State) else nnx.state(node))
+
+
+def _same_leaf(program: Program, a, b, what: str) -> None:
+  if program.transform == 'eval_shape':
+    assert (tuple(a.shape), a.dtype) == (tuple(np.shape(b)), jnp.result_type(b)), f'{what}: {a} vs {b}'
+    return
+  assert isinstance(a, jax.Array), f'{what} is a {type(a).__name__}, not a jax Array'
+  if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+    a, b = jax.random.key_data(a), jax.random.key_data(b)
+  assert np.shape(a) == np.shape(b), f'{what}: shape {np.shape(a)} != {np.shape(b)}'
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5, err_msg=what)
+
+
+def assert_same_state(program: Program, got: dict, want: dict) -> None:
+  assert sorted(got, key=str) == sorted(want, key=str), f'Variables {sorted(got, key=str)} != {sorted(want, key=str)}'
+  for path, (kind, value) in want.items():
+    got_kind, got_value = got[path]
+    assert got_kind is kind, f'{path}: {got_kind.__name__} != {kind.__name__}'
+    assert jax.tree.structure(got_value) == jax.tree.structure(value), f'{path}: {got_value} != {value}'
+    for a, b in zip(jax.tree.leaves(got_value), jax.tree.leaves(value), strict=True):
+      _same_leaf(dataclasses.replace(program, transform='jit'), a, b, f'Variable {path}')
+
+
+def check(program: Program) -> None:
+  """Run ``program`` under brainnx and its oracle; any difference is an ``AssertionError``."""
+  GSCALE[...] = jnp.full(3, 1.5)
+  wa, wb = World(program, oracle=False), World(program, oracle=True)
+  ours = build_ours(program, wa)
+  x = _inputs(program)
+  error = expected_error(program)
+  for k, edit in enumerate((None,) + program.edits):
+    if edit is not None:
+      EDITS[edit](wa.model, wa.G, k)
+      if edit not in SHARED_EDITS:
+        EDITS[edit](wb.model, wb.G, k)
+    before = wa.state()
+    if error is not None:
+      try:
+        ours(x)
+      except error:
+        assert_same_state(program, wa.state(), before)  # rolled back exactly
+        continue
+      raise AssertionError(f'expected {error.__name__}')
+    got = ours(x)
+    if program.transform == 'eval_shape':  # computes nothing: the oracle's writes are undone
+      saved = [(v, v.get_raw_value()) for _, v in nnx.iter_graph([wb.model, wb.G]) if isinstance(v, nnx.Variable)]
+      want = run_oracle(program, wb, x)
+      for v, value in saved:
+        v.set_raw_value(value)
+      assert_same_output(program, got, want, wa, wb)
+      assert_same_state(program, wa.state(), before)
+      continue
+    want = run_oracle(program, wb, x)
+    if program.transform in BATCHED and reaches_model(program):  # documented: a mapped call advances every stream it reaches once
+      for _, node in nnx.iter_graph(wb.model):
+        if isinstance(node, nnx.RngStream):
+          node.count[...] += 1
+    assert_same_output(program, got, want, wa, wb)
+    assert_same_state(program, wa.state(), wb.state())
