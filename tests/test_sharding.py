@@ -488,3 +488,55 @@ def test_stacked_layers_carry_sharding_metadata_at_their_rank_as_flax_transform_
   kernel, want_kernel = abstract['lin']['kernel'], want_abstract['lin']['kernel']
   assert kernel.shape == want_kernel.shape == (2, 8, 8)
   assert kernel.sharding.spec == want_kernel.sharding.spec == P(partition, None, 'model')
+
+
+class _DotReluDot(nnx.Module):
+  """flax's ``flax_gspmd`` guide's block: one kernel sharded by its metadata, one by a Param's."""
+
+  def __init__(self, depth, rngs):
+    init = nnx.initializers.lecun_normal()
+    self.dot1 = nnx.Linear(depth, depth, kernel_init=nnx.with_partitioning(init, (None, 'model')), use_bias=False,
+                           rngs=rngs)
+    self.w2 = nnx.Param(init(rngs.params(), (depth, depth)), out_sharding=('model', None))
+
+  def __call__(self, x):
+    y = jax.lax.with_sharding_constraint(jax.nn.relu(self.dot1(x)), P('data', 'model'))
+    return y @ self.w2[...]
+
+
+def test_the_flax_gspmd_guide_with_stacked_layers_trains_as_flax():
+  """The guide's train step, its blocks stacked and scanned, jitted, adamw, on a 2x2 mesh:
+  brainnx (bnx.vmap, bnx.scan, bnx.jit) gives flax's losses (nnx.vmap + nnx.split_rngs,
+  nnx.scan, nnx.jit) step by step, and the optimizer's moments are laid out as flax's."""
+  mesh = jax.make_mesh((2, 2), ('data', 'model'), axis_types=(AxisType.Auto, AxisType.Auto))
+  meta = {nnx.PARTITION_NAME: None}
+
+  @nnx.split_rngs(splits=2)
+  @nnx.vmap(in_axes=0, out_axes=0, transform_metadata=meta)
+  def flax_stack(rngs):
+    return _DotReluDot(8, rngs)
+
+  def train(model, jit, layers):
+    opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+
+    @jit
+    def step(model, opt, x, y):
+      loss, grads = nnx.value_and_grad(lambda m: ((layers(m, x) - y) ** 2).mean())(model)
+      opt.update(model, grads)
+      return loss
+
+    x, y = jax.random.normal(jax.random.key(1), (4, 8)), jax.random.normal(jax.random.key(2), (4, 8))
+    return [float(step(model, opt, x, y)) for _ in range(4)], opt
+
+  with jax.set_mesh(mesh):
+    theirs = flax_stack(nnx.Rngs(0))
+    rngs = nnx.Rngs(0)
+    ours = bnx.vmap(lambda: _DotReluDot(8, rngs), axis_size=2, transform_metadata=meta)()
+    want, their_opt = train(theirs, nnx.jit, lambda s, x: nnx.scan(lambda h, b: (b(h), None), in_axes=(nnx.Carry, 0))(x, s)[0])
+    got, our_opt = train(ours, bnx.jit, lambda s, x: bnx.scan(lambda h, _: (s(h), None), x, None, state_in_axes={0: ...})[0])
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  for path in (('dot1', 'kernel'), ('w2',)):
+    mine, theirs_mu = our_opt.opt_state[0].mu, their_opt.opt_state[0].mu
+    for key in path:
+      mine, theirs_mu = mine[key], theirs_mu[key]
+    assert mine[...].sharding.spec == theirs_mu[...].sharding.spec, path
