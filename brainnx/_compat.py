@@ -519,7 +519,7 @@ def call_jaxpr(closed, *args) -> list:
     # a constant output (a literal in the jaxpr) comes back as jax's typed Python scalar or numpy
     # array, an input passed through as the very object given (a numpy array, a float): each
     # gets the new Array that jax.jit would return
-    return [x if type(x) is ArrayImpl else jax.device_put(x) for x in outs]
+    return [x if isinstance(x, jax.Array) else jax.device_put(x) for x in outs]
   n_in, n_out = len(closed.in_avals), len(closed.out_avals)
   unspecified = _jax_pjit.UNSPECIFIED
   return _jax_pjit.jit_p.bind(

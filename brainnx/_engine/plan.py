@@ -88,6 +88,7 @@ class Plan:
     self.kept_lists = _compat.KEPT_VALUES  # held here: dropped plans may outlive the module at exit
     # the list this plan keeps goes with it (a plan pushed out of its cache, its function dropped)
     self.me = weakref.ref(self, lambda me, kept=self.kept_lists: kept.pop(me, None))
+    hash(self.me)  # kept now: a weak reference hashes only while its object lives
     # a data attribute's array is written by plain setattr, which counts no value write
     self.keeps_values = not any(type(v) is _compat.DataAttribute for v in disc.variables)
     self.ran = False  # whether a call has run this plan (see JitOptions.compile_on_reuse)

@@ -327,7 +327,7 @@ MUTANTS = [
          '      if isinstance(x, nnx.Variable) and id(x) in seen:', '      if False:',
          ('-k', 'reached_twice', 'tests/test_grad.py')),
   Mutant('eager jaxpr outputs are returned as they come', 'brainnx/_compat.py',
-         '    return [x if type(x) is ArrayImpl else jax.device_put(x) for x in outs]', '    return outs',
+         '    return [x if isinstance(x, jax.Array) else jax.device_put(x) for x in outs]', '    return outs',
          ('-k', 'constant_written or passed_through', 'tests/test_grad.py', 'tests/test_control.py')),
   Mutant("a dropped plan's kept values stay", 'brainnx/_engine/plan.py',
          '    self.me = weakref.ref(self, lambda me, kept=self.kept_lists: kept.pop(me, None))',
