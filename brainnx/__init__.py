@@ -5,7 +5,7 @@ import os as _os
 from brainnx import _compat
 
 # an error raised in user code under a brainnx transform shows the user's frames, not brainnx's
-_compat.hide_frames_under(_os.path.dirname(_compat.__file__) + _os.sep)
+_compat.hide_frames_under(_os.path.dirname(__file__) + _os.sep)
 
 from brainnx._engine.errors import BatchAxisError
 from brainnx._engine.stateful_function import StatefulFunction, make_jaxpr

@@ -142,7 +142,7 @@ VOCABULARY = (
   Statement('m.h = nnx.Variable(m.h[...] * 0.5 + acc)', 'create'),
   Statement("if 'z' not in m.cache:\n  m.cache['z'] = nnx.Cache(jnp.zeros(3))\nm.cache['z'][...] += acc", 'create'),
   Statement('if len(m.items) < 2:\n  m.items.append(nnx.Param(jnp.ones(3)))\nacc = acc + m.items[-1][...]', 'create'),
-  Statement("if 'b' not in m.named:\n  m.named['b'] = nnx.Param(jnp.ones(3))\nacc = acc * m.named['b'][...]", 'create'),
+  Statement("if not hasattr(m.named, 'b'):\n  m.named['b'] = nnx.Param(jnp.ones(3))\nacc = acc * m.named['b'][...]", 'create'),
   Statement("if not hasattr(m, 'extra'):\n  m.extra = nnx.Linear(3, 3, rngs=nnx.Rngs(2))\nacc = m.extra(acc)", 'create'),
   Statement("if 'a' in m.cache:\n  del m.cache['a']", 'create'),  # a node popped inside
   Statement('acc = acc + m.rngs.uniform((3,))', 'rng', 'rngs'),
@@ -158,7 +158,8 @@ RETURNS = {
 
 # transform -> (statement kinds it takes, return forms it takes)
 TRANSFORMS = {
-  'jit': ({'read', 'write', 'batched write', 'create', 'rng'}, ('acc', 'model', 'popped', 'created', 'captured')),
+  'jit': ({'read', 'write', 'batched write', 'create', 'rng'},
+          ('acc', 'model', 'popped', 'created') + (('captured',) if hasattr(nnx, 'capture') else ())),  # flax >= 0.12.6
   'vmap': ({'read', 'write', 'batched write'}, ('acc', 'model')),
   'jit(vmap)': ({'read', 'write', 'batched write'}, ('acc',)),
   'for_loop': ({'read', 'write', 'batched write', 'rng'}, ('acc',)),

@@ -10,6 +10,7 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 
@@ -218,3 +219,7 @@ def run_processes(module: str, flags: list, cwd, *, processes: int = 2, devices_
   for p, log in zip(procs, logs):
     assert p.returncode == 0, log[-3000:]
   return logs
+
+
+#: Tests of ``nnx.capture``, which flax brings in 0.12.6 (brainnx supports flax from 0.12.4).
+needs_capture = pytest.mark.skipif(not hasattr(nnx, 'capture'), reason='nnx.capture arrives in flax 0.12.6')

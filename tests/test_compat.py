@@ -1,4 +1,5 @@
-"""Private JAX/Flax APIs are used in brainnx/_compat.py only."""
+"""Private JAX/Flax APIs are used in the brainnx/_compat package only, and that package imports
+nothing else of brainnx."""
 
 import ast
 import os
@@ -34,20 +35,21 @@ def _imports(path: pathlib.Path):
         yield node.module
 
 
-COMPAT = PACKAGE / '_compat.py'
-OTHERS = sorted(p for p in PACKAGE.rglob('*.py') if p != COMPAT)
+COMPAT = PACKAGE / '_compat'
+ROOMS = sorted(COMPAT.glob('*.py'))
+OTHERS = sorted(p for p in PACKAGE.rglob('*.py') if COMPAT not in p.parents)
 
 
 @pytest.mark.parametrize('path', OTHERS, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_no_private_imports_outside_compat(path):
   private = [m for m in _imports(path) if _private(m)]
-  assert not private, f'{path.name} imports private modules {private}; route them through _compat.py'
+  assert not private, f'{path.name} imports private modules {private}; route them through brainnx._compat'
   text = path.read_text()
   for private in PRIVATE_USES:
-    assert private not in text, f'{path.name} uses {private!r}; route it through _compat.py'
+    assert private not in text, f'{path.name} uses {private!r}; route it through brainnx._compat'
 
 
-# Private attributes and internal conventions of jax and flax that only _compat.py may touch.
+# Private attributes and internal conventions of jax and flax that only the _compat package may touch.
 PRIVATE_USES = (
   'jax._src', '._raw_value', '._trace_state', '_pytree__', '._replace(', 'debug_info._',
   '.__dict__', '_can_update', 'trace_ctx', ' type(jnp.', '(type(jnp.', 'ArrayImpl)',
@@ -64,7 +66,7 @@ def _vars_calls(path):
 
 @pytest.mark.parametrize('path', OTHERS, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_attribute_dicts_are_reached_through_compat(path):
-  """``vars(node)`` (whose writes bypass flax's checks) is called in _compat.py only."""
+  """``vars(node)`` (whose writes bypass flax's checks) is called in the _compat package only."""
   calls = _vars_calls(path)
   assert not calls, f'{path.name} calls vars() on lines {calls}; use _compat.attributes'
 
@@ -81,13 +83,22 @@ def test_importing_brainnx_starts_no_jax_backend():
 
 
 def test_compat_is_where_the_private_uses_are(tmp_path):
-  """The checkers find what they look for in _compat.py, so an empty result elsewhere means something."""
+  """The checkers find what they look for in the _compat package, so an empty result elsewhere
+  means something."""
   assert len(OTHERS) >= 20, OTHERS  # the engine and transform modules are all checked
-  private = [m for m in _imports(COMPAT) if _private(m)]
+  private = [m for room in ROOMS for m in _imports(room) if _private(m)]
   assert private, 'the checker would not notice a private import'
-  text = COMPAT.read_text()
-  assert [use for use in PRIVATE_USES if use in text], 'no private use in _compat.py: the text check is vacuous'
+  text = ''.join(room.read_text() for room in ROOMS)
+  assert [use for use in PRIVATE_USES if use in text], 'no private use in _compat: the text check is vacuous'
   probe = tmp_path / 'probe.py'
   probe.write_text('from flax.nnx import graphlib\nimport jax._src.core\nd = vars(object)\n')
   assert _vars_calls(probe) == [3], 'the vars() check would not notice a call'
   assert sorted(m for m in _imports(probe) if _private(m)) == ['flax.nnx.graphlib', 'jax._src.core']
+
+
+@pytest.mark.parametrize('room', ROOMS, ids=lambda p: p.name)
+def test_compat_imports_nothing_else_of_brainnx(room):
+  """The version boundary sits below everything: a room imports other rooms, never the engine
+  or the transforms."""
+  upward = [m for m in _imports(room) if m.startswith('brainnx') and not m.startswith('brainnx._compat')]
+  assert not upward, f'{room.name} imports {upward}'

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import brainnx as bnx
-from helpers import MLP, mlp_params, mlp_pure, no_tracers
+from helpers import MLP, mlp_params, mlp_pure, needs_capture, no_tracers
 
 X = jax.random.normal(jax.random.key(0), (6, 3))
 Y = jax.random.normal(jax.random.key(1), (6, 2))
@@ -260,6 +260,7 @@ def test_diff_state_selects_on_the_arguments_own_paths_as_nnx_grad(selects):
   _tree_equal(both, nnx.value_and_grad(loss, argnums=(nnx.DiffState(0, selects), 1))(_Probe(), x))
 
 
+@needs_capture
 def test_aux_may_hold_modules_created_inside_and_captured_intermediates_as_nnx_grad():
   x = jnp.array([[1.0, -2.0]])
 

@@ -2,7 +2,7 @@
 
 Rooms, each importing only those before it: ``sentinels``, ``config``
 (the base of every transform's config), ``weak`` (weak references),
-``slots``, ``caches``, ``nodes`` (what a value is: graph node, plain object,
+``caches``, ``nodes`` (what a value is: graph node, plain object,
 reference, static), ``arguments`` (static, dynamic and reference
 arguments), ``filters``, ``errors``, ``guard`` (the cheap check that a
 cached discovery still holds), ``roots`` (what a callable captures),
@@ -37,6 +37,7 @@ Who owns what:
 - ``state.TRACE_LOCK`` (reentrant): swapping values into Variables for a trace, and
   every write-back; ``state.STATE_CHANGES`` tells a lock-free reader that one is under way.
 - ``_compat.KEPT_LOCK``: the value lists warm calls keep (``_compat.KEPT_VALUES``).
+- ``_compat.TRACE_LOCK`` (``state.TRACE_LOCK``): also taken by every flax write of a Variable.
 - ``_compat.PYTREE_EDITS``/``EDIT_LOG``: flax's edits of Pytrees and metadata, which
   the guard reads instead of comparing every attribute on every call.
 """

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from brainnx import _compat
-from brainnx._engine.slots import slot_names
+from brainnx._compat.slots import slot_names
 
 
 # Objects that can never hold a Variable: skipped without a look inside.

@@ -105,6 +105,11 @@ def check_gathers(disc: Discovery, i: int, value, spec: PartitionSpec, mesh_shap
     _check_shape(f'{what}: {disc.describe(i)}', tuple(getattr(leaf, 'shape', ())), spec, mesh_shape, divides=False)
 
 
+def _shown(spec: PartitionSpec) -> str:
+  """``P('x', None)``, as jax 0.9 and later print a spec (earlier: ``PartitionSpec('x', None)``)."""
+  return 'P(' + ', '.join(map(repr, spec)) + (',)' if len(spec) == 1 else ')')
+
+
 def _check_shape(who: str, shape: tuple, spec: PartitionSpec, mesh_shape: dict, divides: bool = True) -> None:
   """``ValueError`` starting with ``who`` (``'what: the Variable'``) if ``spec`` does not fit."""
   for dim, axes in enumerate(spec):
@@ -112,11 +117,11 @@ def _check_shape(who: str, shape: tuple, spec: PartitionSpec, mesh_shape: dict, 
     unknown = [a for a in names if a not in mesh_shape]
     if unknown:
       raise ValueError(
-        f'{who}: its spec {spec} names mesh axis {unknown[0]!r}, which the mesh does not '
+        f'{who}: its spec {_shown(spec)} names mesh axis {unknown[0]!r}, which the mesh does not '
         f'have (its axes: {tuple(mesh_shape)})'
       )
   if len(spec) > len(shape):
-    raise ValueError(f'{who} has shape {shape}, but its spec {spec} names {len(spec)} dimension(s)')
+    raise ValueError(f'{who} has shape {shape}, but its spec {_shown(spec)} names {len(spec)} dimension(s)')
   if not divides:
     return
   for dim, axes in enumerate(spec):
@@ -125,7 +130,7 @@ def _check_shape(who: str, shape: tuple, spec: PartitionSpec, mesh_shape: dict, 
     if shape[dim] % size:
       raise ValueError(
         f'{who} has shape {shape}; dimension {dim} (size {shape[dim]}) '
-        f'does not divide into {size} shards of mesh axes {names} (spec {spec})'
+        f'does not divide into {size} shards of mesh axes {names} (spec {_shown(spec)})'
       )
 
 

@@ -237,10 +237,7 @@ def abstract(x) -> jax.ShapeDtypeStruct:
   if sharding is not None and not sharding.mesh.empty and any(
       t != jax.sharding.AxisType.Auto for t in sharding.mesh.axis_types):
     extra['sharding'] = sharding
-  manual = getattr(aval, 'manual_axis_type', None)
-  if manual is not None and (manual.varying or manual.unreduced or manual.reduced):  # inside shard_map
-    extra['manual_axis_type'] = manual
-  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type, **extra)
+  return _compat.shape_dtype_struct(aval, manual=_compat.manual_axes(aval), **extra)  # manual: inside shard_map
 
 
 def abstract_tree(value, where: Callable[[], str]):
@@ -266,4 +263,5 @@ def abstract_args(dyn: Sequence) -> list:
 
 def aval_key(avals) -> Hashable:
   leaves, treedef = jax.tree.flatten(avals)
-  return treedef, tuple((a.shape, a.dtype, a.weak_type, a.sharding, a.manual_axis_type) for a in leaves)
+  manual = _compat.aval_manual_key
+  return treedef, tuple((a.shape, a.dtype, a.weak_type, a.sharding, manual(a)) for a in leaves)

@@ -3,7 +3,7 @@ holding a model): what discovery walks and the guard compares, as it does a ``va
 
 Example:
   >>> import dataclasses
-  >>> from brainnx._engine.slots import SlotAttributes, slot_names
+  >>> from brainnx._compat.slots import SlotAttributes, slot_names
   >>> @dataclasses.dataclass(slots=True)
   ... class Trainer:
   ...   steps: int
