@@ -35,6 +35,8 @@ def _draw(args) -> tuple[collections.Counter, list]:
 
   from differential import check, programs
 
+  check = _fresh_caches(check)
+
   counts, failures = collections.Counter(), []
 
   @with_seed(seed)
@@ -51,6 +53,22 @@ def _draw(args) -> tuple[collections.Counter, list]:
 
   run()
   return counts, failures
+
+
+def _fresh_caches(check):
+  """``check`` that empties JAX's compilation caches every 200 programs (each program compiles
+  its own functions; kept, they grew a process to gigabytes and slowed it)."""
+  import jax
+
+  seen = [0]
+
+  def checking(program):
+    seen[0] += 1
+    if seen[0] % 200 == 0:
+      jax.clear_caches()
+    return check(program)
+
+  return checking
 
 
 def main() -> None:

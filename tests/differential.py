@@ -9,7 +9,8 @@ Variable or changes the graph). Two identical worlds are built: world A runs und
 world B under the oracle, which reaches its world through an explicit argument:
 
 - ``jit``, ``remat``, ``cond``, ``switch``: eager Python (only the branch taken runs);
-- ``vmap``: eager Python on the whole batch (every statement broadcasts over it), every RNG
+- ``vmap``: eager Python on the whole batch (every statement is elementwise or broadcasts over
+  it: no reduction over the last axis, which would mix the elements), every RNG
   stream advanced once (the documented split per element), and a ``BatchAxisError`` with
   every Variable as before where a batched value is written into a broadcast Variable;
 - ``for_loop``, ``scan``: a Python loop over the rows;
@@ -136,7 +137,7 @@ VOCABULARY = (
   Statement("m.t.set_value({'k': m.t['k'] * 2.0, 'j': (m.t['j'][0] + 1.0, m.t['j'][1] - 1.0)})", 'write', 'tree', 't'),
   Statement('m.c.set_value(jnp.array(-1.0))', 'write', target='c', constant=True),  # a literal of the jaxpr
   Statement('m.w[...] = m.w[...] * 0.5 + acc', 'batched write', target='w'),
-  Statement('m.c[...] = m.c[...] + acc.sum()', 'batched write', target='c'),
+  Statement('m.h[...] = m.h[...] * 0.5 + acc', 'batched write', target='h'),  # elementwise: the eager batch is the oracle
   Statement('G[...] = acc * 0.1', 'batched write', target='G'),
   Statement("m.sow(nnx.Intermediate, 's', acc)", 'create'),
   Statement('m.h = nnx.Variable(m.h[...] * 0.5 + acc)', 'create'),
