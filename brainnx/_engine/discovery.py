@@ -32,8 +32,8 @@ from flax import nnx
 
 from brainnx import _compat
 from brainnx._engine.guard import DATA, GRAPH, STATIC, Guard
-from brainnx._engine.nodes import (ARRAY_TYPES, ATOM_TYPES, describe, holds_graph_node, is_plain_object, is_reference,
-                                   key_name, static_key)
+from brainnx._engine.nodes import (ARRAY_TYPES, ATOM_TYPES, describe, holds_array, holds_graph_node, is_plain_object,
+                                   is_reference, key_name, static_key)
 from brainnx._engine.roots import Root, RootFinder, RootKind
 from brainnx._engine.sentinels import MISSING
 
@@ -67,7 +67,6 @@ class Discovery:
 
   def __post_init__(self):
     self._index = {id(v): i for i, v in enumerate(self.variables)}
-    self._positions = None
     self._node_index = {id(r()): i for i, r in enumerate(self.node_refs)}
 
   @property
@@ -77,11 +76,9 @@ class Discovery:
     return tuple(r() for r in self.node_refs)
 
   def positions(self) -> dict:
-    """``id(variable)`` -> its index, for the value lists warm calls keep (made when a list is
-    first kept; made anew after :meth:`follow` swapped Variables)."""
-    if self._positions is None:
-      self._positions = dict(self._index)
-    return self._positions
+    """``id(variable)`` -> its index, for the value lists warm calls keep (:meth:`follow`
+    updates it and forgets every kept list)."""
+    return self._index
 
   def index_of(self, variable) -> int | None:
     return self._index.get(id(variable))
@@ -170,7 +167,6 @@ class Discovery:
       del self._index[id(old)]
       self.variables[i] = new
       self._index[id(new)] = i
-    self._positions = None
     _compat.values_written()  # kept value lists name the old Variables: forget them all
     self.guard.follow(pairs)
 
@@ -270,8 +266,7 @@ def _source_value(source: tuple):
 def _is_state(x) -> bool:
   """A container entry a call may not leave changed on error: a graph node, an array, or a
   list, tuple or dict holding arrays (``foo.a = [x * 2 for x in foo.a]``)."""
-  return isinstance(x, ARRAY_TYPES) or holds_graph_node(x) or (
-    isinstance(x, (list, tuple, dict)) and any(isinstance(leaf, ARRAY_TYPES) for leaf in jax.tree.leaves(x)))
+  return isinstance(x, ARRAY_TYPES) or holds_graph_node(x) or holds_array(x)
 
 
 class _Walker:

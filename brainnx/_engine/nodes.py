@@ -114,6 +114,12 @@ def _is_pytree_leaf(x: Any) -> bool:
   return jax.tree_util.treedef_is_leaf(jax.tree.structure(x))
 
 
+def holds_array(x: Any) -> bool:
+  """A list, tuple or dict with an array among its leaves (``foo.a = [x * 2 for x in foo.a]``):
+  its arrays are state, as ``nnx.split`` takes them."""
+  return isinstance(x, (list, tuple, dict)) and any(isinstance(leaf, ARRAY_TYPES) for leaf in jax.tree.leaves(x))
+
+
 def is_int(x) -> bool:
   """A Python int that is not a bool (``True`` is an ``int`` to Python, never a count or an axis here)."""
   return isinstance(x, int) and not isinstance(x, bool)

@@ -41,7 +41,7 @@ from flax import nnx
 
 from brainnx import _compat
 from brainnx._engine.discovery import Discovery
-from brainnx._engine.nodes import holds_graph_node, is_graph_node
+from brainnx._engine.nodes import holds_array, holds_graph_node, is_graph_node
 from brainnx._engine.sentinels import MISSING
 
 
@@ -162,12 +162,6 @@ def _build(recipe, leaves, index_ref):
   return MISSING
 
 
-def _holds_array(value) -> bool:
-  """A list, dict or other pytree with an array among its leaves (``foo.a = [x * 2 for x in
-  foo.a]``): its arrays are state, as ``nnx.split`` takes them, never a static value."""
-  return isinstance(value, (list, tuple, dict)) and any(isinstance(x, _ARRAYS) for x in jax.tree.leaves(value))
-
-
 class GraphSplit:
   """Splits what one traced call created against the objects its discovery knows; one per
   trace, shared by what the call attached and what it returned (so sharing is kept)."""
@@ -206,7 +200,7 @@ class GraphSplit:
     """The recipe of one container entry; its leaves go to ``acc``."""
     if value is MISSING:
       return Gone()
-    if is_graph_node(value) or isinstance(value, _ARRAYS) or holds_graph_node(value) or _holds_array(value):
+    if is_graph_node(value) or isinstance(value, _ARRAYS) or holds_graph_node(value) or holds_array(value):
       recipe, values, stand_ins, var_index, _ = self.split(value, where)
       acc.append((values, stand_ins, var_index))
       return recipe

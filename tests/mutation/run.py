@@ -344,8 +344,8 @@ MUTANTS = [
          '  if in_python():  # as jax.lax.cond', '  if False:  # as jax.lax.cond',
          ('-k', 'disable_jit_only', 'tests/test_control.py')),
   Mutant('a list of arrays replacing an attribute is no state', 'brainnx/_engine/discovery.py',
-         '  return isinstance(x, ARRAY_TYPES) or holds_graph_node(x) or (',
-         '  return isinstance(x, ARRAY_TYPES) or holds_graph_node(x) or False and (',
+         '  return isinstance(x, ARRAY_TYPES) or holds_graph_node(x) or holds_array(x)',
+         '  return isinstance(x, ARRAY_TYPES) or holds_graph_node(x)',
          ('-k', 'pytree_guide', 'tests/test_object_graph.py')),
 ]
 
