@@ -102,3 +102,31 @@ def test_compat_imports_nothing_else_of_brainnx(room):
   or the transforms."""
   upward = [m for m in _imports(room) if m.startswith('brainnx') and not m.startswith('brainnx._compat')]
   assert not upward, f'{room.name} imports {upward}'
+
+
+def test_the_reference_names_every_flax_method_brainnx_wraps():
+  """docs/api/rules.md says, in one place, what importing brainnx changes in flax: every wrapped
+  method is named there, and the wrappers leave flax's behaviour as flax's own method has it."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from brainnx._compat import flax_hooks
+
+  rules = (PACKAGE.parent / 'docs' / 'api' / 'rules.md').read_text()
+  section = rules[rules.index('## What importing brainnx changes in flax'):]
+  named = {name for owner, name, _, _ in flax_hooks.INSTALLED if isinstance(name, str)}
+  missing = sorted(name for name in named if f'`{name}`' not in section and f'{name}`' not in section)
+  assert not missing, f'wrapped but not in the reference: {missing}'
+  # the same program with the wrappers taken out and put back gives the same values
+  results = []
+  for on in (False, True):
+    flax_hooks.use_hooks(on)
+    try:
+      model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+      model.kernel[...] = model.kernel[...] * 2
+      nnx.update(model, nnx.state(nnx.merge(*nnx.split(model))))
+      results.append((model.kernel[...], model.bias[...]))
+    finally:
+      flax_hooks.use_hooks(True)
+  for a, b in zip(*results):
+    assert jnp.array_equal(a, b)

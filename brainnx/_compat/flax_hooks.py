@@ -23,6 +23,35 @@ from flax.nnx import tracers as _nnx_tracers
 from brainnx._compat.flax_graph import graphlib as _graphlib
 from brainnx._compat.jax_internals import ArrayImpl
 
+# -- what is installed --------------------------------------------------------
+
+#: Every flax method or registry entry brainnx replaced: ``(owner, name, original, hook)``, where
+#: ``owner`` is a class, a module or a dict (the graph registry). ``docs/api/rules.md`` lists
+#: them for users; ``benchmarks/import_tax.py`` swaps them to time flax without them.
+INSTALLED: list = []
+
+
+def install(owner, name: str, hook, original) -> None:
+  """Put ``hook`` in place of ``original`` at ``owner.name`` (``owner[name]`` for a dict)."""
+  (owner.__setitem__ if isinstance(owner, dict) else functools.partial(setattr, owner))(name, hook)
+  INSTALLED.append((owner, name, original, hook))
+
+
+def use_hooks(on: bool) -> None:
+  """Put every hook (``on``) or every original back in place, in the graph registry entries of
+  classes made since brainnx was imported too. For measuring what the hooks cost; brainnx is
+  wrong without them: never call it with ``False`` around brainnx calls."""
+  swap = {}
+  for owner, name, original, hook in INSTALLED:
+    old, new = (original, hook) if on else (hook, original)
+    (owner.__setitem__ if isinstance(owner, dict) else functools.partial(setattr, owner))(name, new)
+    swap[old] = new
+  for node_type, impl in list(_graphlib.GRAPH_REGISTRY.items()):
+    if isinstance(impl, _graphlib.GraphNodeImpl) and (impl.clear in swap or impl.init in swap):
+      _graphlib.GRAPH_REGISTRY[node_type] = dataclasses.replace(
+        impl, clear=swap.get(impl.clear, impl.clear), init=swap.get(impl.init, impl.init))
+
+
 # -- Variable values ---------------------------------------------------------
 
 
@@ -71,14 +100,15 @@ VALUE_WRITES = EditCount()
 #: ``id(variable)`` to its index in ``values``, the list the call passed last.
 KEPT_VALUES: dict = {}
 
-#: Held while counting a write, changing a kept list, and keeping one.
-KEPT_LOCK = threading.Lock()
-
-
 #: Held while Variables hold a brainnx trace's tracers and while values are written back. Every
 #: flax write of a Variable takes it (reentrant: the traced function's own writes pass), so a
 #: write from another thread waits for the trace instead of failing or landing inside it.
 TRACE_LOCK = threading.RLock()
+
+#: Held while counting a write, changing a kept list, and keeping one. The same lock as
+#: ``TRACE_LOCK``: a flax write holds that one already, so counting it takes no second lock
+#: (a reader that must not wait for a trace tries it without blocking).
+KEPT_LOCK = TRACE_LOCK
 
 
 class StateChanges:
@@ -99,28 +129,35 @@ def values_written(variable=None) -> None:
   ``variable`` (writes of many), every list is forgotten."""
   with KEPT_LOCK:
     VALUE_WRITES.n += 1
-    if not KEPT_VALUES:
-      return
-    if variable is None:
-      KEPT_VALUES.clear()
-      return
-    new = variable._raw_value
-    if type(new) is not ArrayImpl:  # a tracer (inside a trace), a pytree, a numpy array
-      KEPT_VALUES.clear()
-      return
-    key = id(variable)
-    try:
-      entries = list(KEPT_VALUES.values())
-    except RuntimeError:  # a dropped plan's list left while we copied (a weak reference's callback)
-      KEPT_VALUES.clear()
-      return
-    for positions, values in entries:
-      i = positions.get(key)
-      if i is not None:
-        values[i] = new
+    if KEPT_VALUES:
+      _patch_kept(variable)
+
+
+def _patch_kept(variable) -> None:
+  """Put ``variable``'s new value into every kept list holding it (under ``KEPT_LOCK``)."""
+  if variable is None:
+    KEPT_VALUES.clear()
+    return
+  new = variable._raw_value
+  if type(new) is not ArrayImpl:  # a tracer (inside a trace), a pytree, a numpy array
+    KEPT_VALUES.clear()
+    return
+  key = id(variable)
+  try:
+    entries = list(KEPT_VALUES.values())
+  except RuntimeError:  # a dropped plan's list left while we copied (a weak reference's callback)
+    KEPT_VALUES.clear()
+    return
+  for positions, values in entries:
+    i = positions.get(key)
+    if i is not None:
+      values[i] = new
 
 
 def _count_value_writes() -> None:
+  """Install the value-write hooks. A ``v[...] = x`` runs two of them (``set_value``, then
+  ``__setattr__``), so the common routes have fixed signatures and count inline: each is one
+  frame, a lock and no argument tuple (``benchmarks/import_tax.py`` measures what they cost)."""
   from flax import nnx
   from flax.nnx.transforms import compilation as _compilation
 
@@ -128,37 +165,65 @@ def _count_value_writes() -> None:
     PYTREE_EDITS.n += 1
     EDIT_LOG.append((PYTREE_EDITS.n, id(variable)))
 
-  def marked(counting: Callable, method: Callable) -> Callable:
-    counting = functools.wraps(method)(counting)
-    counting.__wrapped_for_values__ = method
-    return counting
+  def marked(hook: Callable, method: Callable) -> Callable:
+    hook = functools.wraps(method)(hook)
+    hook.__wrapped_for_values__ = method
+    return hook
 
   variable = nnx.Variable
-  setattr_, setstate, copy_from = (variable.__dict__[name] for name in ('__setattr__', '__setstate__', 'copy_from'))
+  setattr_, setstate, copy_from, set_value, set_raw_value_, update_from_state = (
+    variable.__dict__[name]
+    for name in ('__setattr__', '__setstate__', 'copy_from', 'set_value', 'set_raw_value', 'update_from_state'))
   if hasattr(setattr_, '__wrapped_for_values__'):  # installed already (a reload)
     return
+  # bound once: ``with lock`` looks up __enter__/__exit__ on every write
+  acquire, release, writes, kept = TRACE_LOCK.acquire, TRACE_LOCK.release, VALUE_WRITES, KEPT_VALUES
+  lock = TRACE_LOCK
 
-  def counting_setattr(self, name, value):
+  def hooked_setattr(self, name, value):
+    acquire()  # TRACE_LOCK, which is KEPT_LOCK too: the count below needs no other lock
     try:
-      return setattr_(self, name, value)
+      setattr_(self, name, value)
     finally:
       if name == '_raw_value':
-        values_written(self)
+        writes.n += 1
+        if kept:
+          _patch_kept(self)
       elif name == '_var_metadata':  # update_from_state replacing the metadata
         edited_metadata(self)
+      release()
 
-  def counting_setstate(self, state):
+  def hooked_set_value(self, value, **kwargs):
+    acquire()
+    try:
+      return set_value(self, value, **kwargs)
+    finally:
+      release()
+
+  def hooked_set_raw_value(self, value, **kwargs):
+    acquire()
+    try:
+      return set_raw_value_(self, value, **kwargs)
+    finally:
+      release()
+
+  def hooked_update_from_state(self, state):
+    with lock:
+      return update_from_state(self, state)
+
+  def hooked_setstate(self, state):
     try:
       return setstate(self, state)
     finally:
       values_written()
 
-  def counting_copy_from(self, other):
-    try:
-      return copy_from(self, other)
-    finally:
-      values_written()
-      edited_metadata(self)
+  def hooked_copy_from(self, other):
+    with lock:
+      try:
+        return copy_from(self, other)
+      finally:
+        values_written()
+        edited_metadata(self)
 
   apply_raw_updates = getattr(_compilation, '_apply_raw_updates', None)  # flax >= 0.12.8
 
@@ -168,20 +233,13 @@ def _count_value_writes() -> None:
     finally:
       values_written()
 
-  def waiting(method: Callable) -> Callable:
-    def waits(*args, **kwargs):
-      with TRACE_LOCK:
-        return method(*args, **kwargs)
-
-    return marked(waits, method)
-
-  variable.__setattr__ = waiting(marked(counting_setattr, setattr_))
-  variable.__setstate__ = marked(counting_setstate, setstate)
-  variable.copy_from = waiting(marked(counting_copy_from, copy_from))
-  for name in ('set_value', 'set_raw_value', 'update_from_state'):
-    setattr(variable, name, waiting(variable.__dict__[name]))
+  for name, hook, original in (('__setattr__', hooked_setattr, setattr_), ('__setstate__', hooked_setstate, setstate),
+                                ('copy_from', hooked_copy_from, copy_from), ('set_value', hooked_set_value, set_value),
+                                ('set_raw_value', hooked_set_raw_value, set_raw_value_),
+                                ('update_from_state', hooked_update_from_state, update_from_state)):
+    install(variable, name, marked(hook, original), original)
   if apply_raw_updates is not None:
-    _compilation._apply_raw_updates = marked(counting_raw_updates, apply_raw_updates)
+    install(_compilation, '_apply_raw_updates', marked(counting_raw_updates, apply_raw_updates), apply_raw_updates)
 
 
 def restore_entries(current: dict, entries: dict, missing) -> None:
@@ -223,13 +281,32 @@ _EDITING_METHODS = ('__setattr__', '__delattr__', '__setstate__', '_graph_node_c
 
 
 def _counting(method: Callable) -> Callable:
+  edits, log = PYTREE_EDITS, EDIT_LOG
+
   @functools.wraps(method)
   def counted(*args, **kwargs):
     try:
       return method(*args, **kwargs)
     finally:  # after the edit: a guard that read the counter before it sees the move
-      PYTREE_EDITS.n += 1
-      EDIT_LOG.append((PYTREE_EDITS.n, id(args[0])))
+      edits.n += 1
+      log.append((edits.n, id(args[0])))
+
+  counted.__wrapped_for_edits__ = method
+  return counted
+
+
+def _counting_setattr(method: Callable) -> Callable:
+  """``_counting`` for ``__setattr__``, which Module construction runs per attribute: a fixed
+  signature, so no argument tuple per call."""
+  edits, log = PYTREE_EDITS, EDIT_LOG
+
+  @functools.wraps(method)
+  def counted(self, name, value):
+    try:
+      return method(self, name, value)
+    finally:
+      edits.n += 1
+      log.append((edits.n, id(self)))
 
   counted.__wrapped_for_edits__ = method
   return counted
@@ -242,15 +319,14 @@ def _count_pytree_edits() -> None:
     method = pytree.__dict__[name]
     if hasattr(method, '__wrapped_for_edits__'):  # installed already (a reload)
       return
-    originals[method] = _counting(method)
-    setattr(pytree, name, originals[method])
+    originals[method] = (_counting_setattr if name == '__setattr__' else _counting)(method)
+    install(pytree, name, originals[method], method)
   # classes created before this point registered the original clear/init with nnx's graph
   # registry; later ones pick up the counting methods from the class
   for node_type, impl in list(_graphlib.GRAPH_REGISTRY.items()):
     if isinstance(impl, _graphlib.GraphNodeImpl) and (impl.clear in originals or impl.init in originals):
-      _graphlib.GRAPH_REGISTRY[node_type] = dataclasses.replace(
-        impl, clear=originals.get(impl.clear, impl.clear), init=originals.get(impl.init, impl.init)
-      )
+      install(_graphlib.GRAPH_REGISTRY, node_type, dataclasses.replace(
+        impl, clear=originals.get(impl.clear, impl.clear), init=originals.get(impl.init, impl.init)), impl)
 
 
 _count_pytree_edits()
@@ -263,11 +339,8 @@ def _count_metadata_edits() -> None:
     method = nnx.Variable.__dict__[name]
     if hasattr(method, '__wrapped_for_edits__'):  # installed already (a reload)
       return
-    setattr(nnx.Variable, name, _counting(method))
+    install(nnx.Variable, name, _counting(method), method)
 
-
-_count_metadata_edits()
-_count_value_writes()
 
 _count_metadata_edits()
 _count_value_writes()
@@ -300,9 +373,9 @@ def _log_variable_creation() -> None:
   init = nnx.Variable.__dict__['__init__']
   if hasattr(init, '__wrapped_for_log__'):  # installed already (a reload)
     return
-  nnx.Variable.__init__ = _logging(init, returns=False)
-  new = nnx.Variable.__dict__['_new'].__func__
-  nnx.Variable._new = classmethod(_logging(new, returns=True))
+  install(nnx.Variable, '__init__', _logging(init, returns=False), init)
+  new = nnx.Variable.__dict__['_new']
+  install(nnx.Variable, '_new', classmethod(_logging(new.__func__, returns=True)), new)
 
 
 _log_variable_creation()

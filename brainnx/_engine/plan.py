@@ -224,9 +224,13 @@ def fresh_values(plan: Plan) -> list:
   if not changes.under_way:
     values = list(map(_compat.raw_value, plan.variables))
     if changes.begun == begun and not changes.under_way:  # no other thread's trace or write-back meanwhile
-      with _compat.KEPT_LOCK:
-        if writes.n == mark and plan.keeps_values:
-          _compat.KEPT_VALUES[plan.me] = (plan.positions(), values)
+      # KEPT_LOCK is TRACE_LOCK: a trace in another thread holds it; then keep nothing, never wait
+      if _compat.KEPT_LOCK.acquire(blocking=False):
+        try:
+          if writes.n == mark and plan.keeps_values:
+            _compat.KEPT_VALUES[plan.me] = (plan.positions(), values)
+        finally:
+          _compat.KEPT_LOCK.release()
       return values
   return read_values(plan.variables)
 
@@ -245,16 +249,14 @@ def complete_call(plan: Plan, result):
 def write_results(plan: Plan, written: dict) -> None:
   values = written.values()
   if type(next(iter(values))) is _compat.ArrayImpl:  # concrete: we run eagerly, the write is ours
-    with _compat.KEPT_LOCK:
-      mark, entry = _compat.VALUE_WRITES.n, _compat.KEPT_VALUES.get(plan.me)
-    set_values(list(map(plan.variables.__getitem__, written)), values)  # forgets every kept list
-    if entry is not None:
-      with _compat.KEPT_LOCK:
-        if _compat.VALUE_WRITES.n == mark + 1:  # ours was the only write: keep ours, updated
-          kept = entry[1]
-          for i, x in zip(written, values):
-            kept[i] = x
-          _compat.KEPT_VALUES[plan.me] = entry
+    with _compat.KEPT_LOCK:  # TRACE_LOCK too: no other write lands between ours and the patch
+      entry = _compat.KEPT_VALUES.get(plan.me)
+      set_values(list(map(plan.variables.__getitem__, written)), values)  # forgets every kept list
+      if entry is not None:  # ours was the only write: keep ours, updated
+        kept = entry[1]
+        for i, x in zip(written, values):
+          kept[i] = x
+        _compat.KEPT_VALUES[plan.me] = entry
   else:
     write_values(plan.disc, tuple(written), tuple(values))
 
