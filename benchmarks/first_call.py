@@ -11,6 +11,8 @@ fresh so that no variant finds what another one compiled or lowered (JAX caches 
 rules per primitive and process). Variants:
 
   raw jax.jit                          a pure function of the flat arrays (the floor)
+  raw jax.jit, GC paused               the same with Python's cyclic garbage collector paused
+                                       around the call, as brainnx pauses it around a cold call
   jax.jit over nnx.State (split once)  flax's performance-guide idiom: the same nnx model
                                        forward, merged inside the traced function
   brainnx.jit (closure)                ``bnx.jit(lambda x: model(x))``
@@ -27,6 +29,8 @@ operations than ``x @ w + b``): what any library calling that model pays.
 from __future__ import annotations
 
 import argparse
+import gc
+import re
 import statistics
 import subprocess
 import sys
@@ -34,7 +38,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
-VARIANTS = ('raw jax.jit', 'jax.jit over nnx.State (split once)', 'brainnx.jit (closure)',
+VARIANTS = ('raw jax.jit', 'raw jax.jit, GC paused', 'jax.jit over nnx.State (split once)', 'brainnx.jit (closure)',
             'brainnx.jit (arg)', 'nnx.jit')
 
 
@@ -52,9 +56,20 @@ def _maker(name: str, depth: int):
 
   x = jnp.ones((16, 32))
   model = Stack(depth, nnx.Rngs(0), 32)
-  if name == 'raw jax.jit':
+  if name in ('raw jax.jit', 'raw jax.jit, GC paused'):
     flat = [a for pair in _peers.params_of(model.layers) for a in pair]
-    return lambda: jax.jit(lambda *flat: pure_flat(*flat))(*flat, x)
+    first = lambda: jax.jit(lambda *flat: pure_flat(*flat))(*flat, x)  # noqa: E731
+    if name == 'raw jax.jit':
+      return first
+
+    def paused():  # what brainnx's cold call does around its trace and compile
+      gc.disable()
+      try:
+        return first()
+      finally:
+        gc.enable()
+
+    return paused
   if name == 'jax.jit over nnx.State (split once)':
     graphdef, state = nnx.split(model)
     return lambda: jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))(state, x)
@@ -71,6 +86,8 @@ def child(name: str, depth: int, trials: int) -> None:
   import jax
 
   jax.block_until_ready(_maker(name, 2)())  # the backend starts here, not in the timed call
+  if trials == 0:  # --profile: one first call under cProfile, its top entries
+    return print(profile(_maker(name, depth)))
   times = []
   for _ in range(trials):  # each trial a fresh model and a fresh function: a first call each
     first = _maker(name, depth)
@@ -78,6 +95,31 @@ def child(name: str, depth: int, trials: int) -> None:
     jax.block_until_ready(first())
     times.append((time.perf_counter() - t0) * 1e3)
   print(f'{statistics.median(times):.3f}')
+
+
+def profile(first, top: int = 15) -> str:
+  """The top entries by own time of one first call under ``cProfile``, as a markdown table."""
+  import cProfile
+  import pstats
+
+  import jax
+
+  profiler = cProfile.Profile()
+  profiler.enable()
+  jax.block_until_ready(first())
+  profiler.disable()
+  stats = pstats.Stats(profiler)
+  rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
+  lines = [f'One first call under cProfile: {stats.total_tt * 1e3:.0f} ms in all (the profiler slows Python '
+           'down, so shares, not times, carry over). Top entries by own time:', '',
+           '| function | calls | own ms | cumulative ms |', '|---|---:|---:|---:|']
+  for (path, line, fn), (_, calls, own, cumulative, _) in rows:
+    where = 'built-in' if path == '~' else re.split(r'site-packages/|lib/python3\.\d+/|(?=brainnx/_)', path)[-1]
+    lines.append(f'| `{fn}` ({where}:{line}) | {calls:,} | {own * 1e3:.1f} | {cumulative * 1e3:.1f} |')
+  brainnx_own = sum(v[2] for (path, _, _), v in stats.stats.items() if '/brainnx/' in path)
+  lines += ['', f'Own time in brainnx\'s files: {brainnx_own * 1e3:.0f} ms of {stats.total_tt * 1e3:.0f} ms '
+            f'({brainnx_own / stats.total_tt:.1%}).']
+  return '\n'.join(lines)
 
 
 def sample(name: str, depth: int, trials: int, timeout: float = 300) -> float:
@@ -113,14 +155,15 @@ def render(results: dict[int, dict[str, float]], rounds: int, trials: int) -> st
     f'{trials} first calls of fresh functions on fresh models); in brackets the ratio to raw jax.jit. '
     f'jax {jax.__version__}, flax {flax.__version__}, cpu.',
     '',
-    '| layers | ' + ' | '.join(VARIANTS) + ' | brainnx (closure) / split once |',
-    '|---:|' + '---:|' * (len(VARIANTS) + 1),
+    '| layers | ' + ' | '.join(VARIANTS) + ' | brainnx (closure) / raw, GC paused | brainnx (closure) / split once |',
+    '|---:|' + '---:|' * (len(VARIANTS) + 2),
   ]
   for depth, row in results.items():
     base = row['raw jax.jit']
     cells = ' | '.join(f'{t:.0f} ({t / base:.2f}x)' for t in row.values())
+    paused = row['brainnx.jit (closure)'] / row['raw jax.jit, GC paused']
     own = row['brainnx.jit (closure)'] / row['jax.jit over nnx.State (split once)']
-    lines.append(f'| {depth} | {cells} | {own:.2f}x |')
+    lines.append(f'| {depth} | {cells} | {paused:.2f}x | {own:.2f}x |')
   return '\n'.join(lines)
 
 
@@ -138,6 +181,10 @@ def main(argv=None) -> None:
   from _results import publish
 
   body = render(measure(args.depths, args.rounds, args.trials), args.rounds, args.trials)
+  depth = max(args.depths)
+  done = subprocess.run([sys.executable, __file__, '--child', 'brainnx.jit (closure)', str(depth), '0'],
+                        capture_output=True, text=True, timeout=300, check=True)
+  body += f'\n\n### Where a first call of brainnx.jit (closure) spends its time, {depth} layers\n\n' + done.stdout.strip()
   publish(body, 'first_call.py', dry_run=not args.write)
 
 

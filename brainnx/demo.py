@@ -208,7 +208,7 @@ def _parser() -> argparse.ArgumentParser:
                       help='networks in each ensemble, panels (i) and (iv) (default 5, as in the paper); '
                            '2 * members + 2 networks train in all')
   parser.add_argument('--steps', type=int, default=3000, help='total adam steps, full batch (default 3000)')
-  parser.add_argument('--seed', type=int, default=0, help='seed for data and initialisation')
+  parser.add_argument('--seed', type=int, default=0, help='seed for data and initialisation (default 0)')
   parser.add_argument('--adversarial', type=float, nargs='?', const=ADVERSARIAL_FRACTION,
                       default=ADVERSARIAL_FRACTION, metavar='FRACTION',
                       help='the fast-gradient-sign step of panels (iii) and (iv) as a fraction of the range of x '
@@ -343,11 +343,17 @@ def main(argv=None) -> dict:
       png = resolve_out(args.out)
     except ValueError as e:
       parser.error(str(e))
-    check_writable(png, args.out, parser)  # before training, not after: a bad path loses nothing
+    check_writable(png, f'--out {args.out}', parser)  # before training, not after: a bad path loses nothing
   if png is not None and not have_matplotlib():
     print('matplotlib is not installed, so no plot will be written '
           "(pip install matplotlib, or pip install 'brainnx[plot]'; --no-plot silences this)", file=sys.stderr)
     png = None
+
+  if args.save is not None and lead:  # np.savez adds .npz to a name without it
+    npz = args.save if args.save.suffix == '.npz' else args.save.with_name(args.save.name + '.npz')
+    check_writable(npz, f'--save {args.save}', parser)
+  if args.checkpoint_dir is not None:
+    check_writable(args.checkpoint_dir, f'--checkpoint-dir {args.checkpoint_dir}', parser, directory=True)
 
   start = time.perf_counter()
   x, y, grid = make_data(args.seed)
@@ -406,11 +412,11 @@ def main(argv=None) -> dict:
 
   where = '' if mesh is None else f' on {mesh.size} device(s) in {jax.process_count()} process(es)'
   if trained:
-    print(f'\ntrained {networks} networks (the four panels of Figure 1){where}: steps {resumed_at + 1}-{step} '
+    print(f'trained {networks} networks (the four panels of Figure 1){where}: steps {resumed_at + 1}-{step} '
           f'in {time.perf_counter() - start:.1f} s')
   else:
     past = 'past' if step > args.steps else 'at'
-    print(f'\nnothing to train: the checkpoint in {args.checkpoint_dir} is {past} step {step} '
+    print(f'nothing to train: the checkpoint in {args.checkpoint_dir} is {past} step {step} '
           f'(--steps {args.steps}); the report below is of that checkpoint')
   last = history[-1] if len(history) else record['last']
   print(report_table(panels, reports, last))

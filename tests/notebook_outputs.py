@@ -33,8 +33,8 @@ def tidy_stream(text: str) -> str:
 
 
 def tidy(nb) -> bool:
-  """Merge consecutive stream outputs of a cell (per stream) and resolve carriage returns, in place.
-  Returns whether anything changed."""
+  """Merge consecutive stream outputs of a cell (per stream), resolve carriage returns and drop
+  blank streams, in place. Returns whether anything changed."""
   changed = False
   for cell in nb.cells:
     if cell.cell_type != 'code':
@@ -52,7 +52,10 @@ def tidy(nb) -> bool:
         clean = tidy_stream(out.text)
         changed |= clean != out.text
         out.text = clean
-    cell.outputs = merged
+    # a stream left blank (the newline a progress bar writes when it closes) is an empty box
+    kept = [out for out in merged if out.output_type != 'stream' or out.text.strip()]
+    changed |= len(kept) != len(merged)
+    cell.outputs = kept
   return changed
 
 

@@ -280,22 +280,53 @@ def test_devices_split_the_networks_and_equal_one_device(tmp_path, capsys):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), trained, params)
 
 
-def test_an_out_path_that_cannot_be_written_is_refused_before_training(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize('flags, said', [
+  (['--out', '/proc/nope/x.png'], '--out /proc/nope/x.png: cannot create the directory /proc/nope'),
+  (['--out', '/proc/fig.png'], '--out /proc/fig.png: cannot write /proc/fig.png'),  # refused to root too
+  (['--no-plot', '--save', '/proc/params.npz'], '--save /proc/params.npz: cannot write /proc/params.npz'),
+  (['--no-plot', '--save', '/proc/params'], '--save /proc/params: cannot write /proc/params.npz'),
+  (['--no-plot', '--checkpoint-dir', '/proc/ckpt'], '--checkpoint-dir /proc/ckpt: cannot create the directory'),
+], ids=['out-directory', 'out-file', 'save', 'save-without-suffix', 'checkpoint-dir'])
+def test_a_path_that_cannot_be_written_is_refused_in_one_line_before_training(flags, said, capsys, monkeypatch):
   trained = []
   monkeypatch.setattr(demo, 'make_trainer', lambda *a, **k: trained.append(1))
   with pytest.raises(SystemExit, match='^2$'):  # argparse's exit status, and nothing trained
-    demo.main(['--members', '2', '--steps', '5', '--out', '/proc/nope/x.png'])
+    demo.main(['--members', '2', '--steps', '5', *flags])
   err = capsys.readouterr().err
-  assert '--out /proc/nope/x.png: cannot create the directory /proc/nope' in err and 'Traceback' not in err
+  assert err.splitlines() == [f'python -m brainnx.demo: error: {err.split("error: ", 1)[1].strip()}']
+  assert said in err and 'Traceback' not in err
   assert trained == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason='root ignores permissions: the /proc cases above cover root')
+def test_a_read_only_directory_is_refused_before_training(tmp_path, capsys, monkeypatch):
+  trained = []
+  monkeypatch.setattr(demo, 'make_trainer', lambda *a, **k: trained.append(1))
   locked = tmp_path / 'locked'
   locked.mkdir()
   locked.chmod(0o500)
   try:
-    if os.access(locked, os.W_OK):  # root ignores permissions: nothing to check
-      return
-    with pytest.raises(SystemExit, match='^2$'):
-      demo.main(['--members', '2', '--steps', '5', '--out', str(locked / 'x.png')])
-    assert 'is not writable' in capsys.readouterr().err and trained == []
+    for flags in (['--out', str(locked / 'x.png')], ['--no-plot', '--save', str(locked / 'p.npz')],
+                  ['--no-plot', '--checkpoint-dir', str(locked)]):
+      with pytest.raises(SystemExit, match='^2$'):
+        demo.main(['--members', '2', '--steps', '5', *flags])
+      assert 'cannot write' in capsys.readouterr().err and trained == []
   finally:
     locked.chmod(0o700)
+
+
+def test_a_writable_path_is_probed_without_a_trace(tmp_path, monkeypatch):
+  """The probe leaves nothing behind: no file where the plot or the checkpoints will go, and an
+  existing file unchanged."""
+  class Stop(Exception):
+    pass
+
+  def stop(*args, **kwargs):
+    raise Stop
+
+  monkeypatch.setattr(demo, 'make_trainer', stop)
+  existing = tmp_path / 'params.npz'
+  existing.write_bytes(b'kept')
+  with pytest.raises(Stop, match='^$'):
+    demo.main(['--members', '2', '--steps', '5', '--out', str(tmp_path / 'fig.png'), '--save', str(existing)])
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['params.npz'] and existing.read_bytes() == b'kept'

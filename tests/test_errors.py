@@ -1,7 +1,10 @@
 """Bad inputs not covered elsewhere: each gets a clear error naming what is wrong."""
 
+import re
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -59,7 +62,7 @@ def test_while_loop_bad_cond_and_body():
 
 def test_module_argument_axis_errors_name_the_argument():
   model = MLP(3, 4, 2, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match=r"inconsistent batch sizes \[2, 3, 4\] \(Param at \(0, 'l1', 'bias'\): 4, Param at \(0, 'l1', 'kernel'\): 3.*Pass in_axes=None"):
+  with pytest.raises(ValueError, match=r"inconsistent batch sizes \[2, 3, 4\] \(size 4: 2 Variables \(first: Param at \(0, 'l1', 'bias'\)\); size 3: Param at \(0, 'l1', 'kernel'\).*Pass in_axes=None"):
     bnx.vmap(lambda m, x: m(x), in_axes=(0, None))(model, jnp.ones((5, 3)))
 
 
@@ -87,3 +90,64 @@ def test_jit_reads_object_variable():
     f(jnp.ones(2))
 
 
+# -- hints a first hour meets: each pasted as it is printed, and run ---------------------------
+
+def _ensemble(members=4):
+  rngs = nnx.Rngs(0)
+  return bnx.vmap(lambda: nnx.Linear(3, 2, rngs=rngs), axis_size=members)()
+
+
+def _members(model, members=4):
+  graphdef, state = nnx.split(model)
+  return [nnx.merge(graphdef, jax.tree.map(lambda a, k=k: a[k], state)) for k in range(members)]
+
+
+def test_data_arguments_of_another_size_get_the_in_axes_that_broadcasts_them():
+  """An ensemble of 4 called on a batch of 16 with the default in_axes=0: the hint names the
+  data arguments (not the Module) and spells the in_axes; pasted, it gives each member's loss."""
+  ensemble = _ensemble()
+  x, y = jnp.linspace(-1, 1, 48).reshape(16, 3), jnp.ones((16, 2))
+
+  def loss(model, x, y):
+    return jnp.mean((model(x) - y) ** 2)
+
+  with pytest.raises(ValueError, match=r'inconsistent batch sizes \[4, 16\] \(size 4: 2 Variables .*; size 16: argument 1, argument 2\)') as error:
+    bnx.vmap(loss)(ensemble, x, y)
+  message = str(error.value)
+  assert 'Pass in_axes=None for it' not in message  # not the Module's axis
+  hinted = re.search(r'in_axes=(\(.*\))$', message).group(1)
+  assert hinted == '(0, None, None)'
+  got = bnx.vmap(loss, in_axes=eval(hinted))(ensemble, x, y)
+  np.testing.assert_allclose(got, [loss(m, x, y) for m in _members(ensemble)], rtol=1e-6)
+
+
+def test_a_stack_used_as_one_model_is_named_with_the_way_to_map_it():
+  """flax's own shape error stays; a note says the model is a stack and how to call it."""
+  ensemble = _ensemble()
+  x = jnp.linspace(-1, 1, 48).reshape(16, 3)
+  for transform in (bnx.jit, bnx.grad):
+    with pytest.raises(TypeError, match='dot_general requires contracting dimensions') as error:
+      transform(lambda m, x: m(x).sum())(ensemble, x)
+    note = error.value.__notes__[0]
+    assert note.startswith("brainnx: Param at (0, 'bias') and 1 more Variables hold a stack of 4 members")
+    assert 'state_in_axes={0: nnx.Param}' in note
+  # the two ways the note gives, run: under vmap, and one member taken out
+  mapped = bnx.vmap(lambda x: ensemble(x), in_axes=None, axis_size=4, state_in_axes={0: nnx.Param})(x)
+  graphdef, state = nnx.split(ensemble)
+  second = nnx.merge(graphdef, jax.tree.map(lambda a: a[1], state))
+  np.testing.assert_allclose(mapped[1], second(x), rtol=1e-6)
+  np.testing.assert_allclose(mapped, jnp.stack([m(x) for m in _members(ensemble)]), rtol=1e-6)
+
+
+def test_scanning_over_a_python_list_says_what_was_passed():
+  add = lambda c, x: (c + x, c)  # noqa: E731
+  with pytest.raises(ValueError, match=r'scan got xs as a Python list of 3 scalars.*jnp\.asarray\(xs\)'):
+    bnx.scan(add, 0.0, [1.0, 2.0, 3.0])
+  carry, _ = bnx.scan(add, 0.0, jnp.asarray([1.0, 2.0, 3.0]))  # the fix, pasted
+  assert float(carry) == 6.0  # the oracle: sum([1, 2, 3])
+  rows = [jnp.full(2, float(k)) for k in range(3)]
+  with pytest.raises(TypeError, match="unsupported operand") as error:
+    bnx.scan(add, jnp.zeros(2), rows)
+  assert 'each step gets a list of 3 rows' in error.value.__notes__[0] and 'jnp.stack(xs)' in error.value.__notes__[0]
+  carry, _ = bnx.scan(add, jnp.zeros(2), jnp.stack(rows))
+  np.testing.assert_allclose(carry, sum(rows))

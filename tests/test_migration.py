@@ -202,6 +202,14 @@ def test_a_split_stream_broadcast_into_vmap_is_refused_with_the_way_to_map_it():
   np.testing.assert_allclose(ours.kernel[...], flax.kernel[...], rtol=1e-6)
 
 
+def test_split_rngs_kept_around_a_mapped_vmap_is_accepted_and_gives_flax_members():
+  """The table's row as written: nnx.split_rngs around bnx.vmap with the Rngs mapped (in_axes=0)."""
+  ours = nnx.split_rngs(splits=4)(bnx.vmap(lambda r: nnx.Linear(2, 3, rngs=r), in_axes=0))(nnx.Rngs(0))
+  flax = nnx.split_rngs(splits=4)(nnx.vmap(lambda r: nnx.Linear(2, 3, rngs=r), in_axes=0))(nnx.Rngs(0))
+  np.testing.assert_allclose(ours.kernel[...], flax.kernel[...], rtol=1e-6)
+  assert len({tuple(np.asarray(k).ravel()) for k in ours.kernel[...]}) == 4  # four different members
+
+
 class _Dropped(nnx.Module):
   def __init__(self):
     self.lin = nnx.Linear(3, 3, rngs=nnx.Rngs(0))

@@ -152,9 +152,9 @@ def test_inconsistent_sizes():
   w = nnx.Param(jnp.ones((4, 3)))
   with pytest.raises(ValueError, match=r"inconsistent batch sizes \[4, 5\]"):
     bnx.vmap(lambda x: x * w[...], state_in_axes=nnx.Param)(X)
-  with pytest.raises(ValueError, match='axis_size: 7'):
+  with pytest.raises(ValueError, match='size 7: axis_size'):
     bnx.vmap(lambda x: x, axis_size=7)(X)
-  with pytest.raises(ValueError, match="argument 0: 5, keyword argument 'y': 2"):
+  with pytest.raises(ValueError, match="size 5: argument 0; size 2: keyword argument 'y'"):
     bnx.vmap(lambda x, y: x)(X, y=jnp.ones(2))
 
 

@@ -51,7 +51,7 @@ from brainnx._engine.discovery import Discovery, discover
 from brainnx._engine.outputs import OutSpec
 from brainnx._engine.sentinels import UNSET
 from brainnx._engine.state import (
-  StepResult, abstract, abstract_states, finish_call, read_values, state_step, write_values,
+  StepResult, abstract, abstract_tree, finish_call, read_values, state_step, write_values,
 )
 from brainnx._engine.structure import Attachments
 
@@ -112,11 +112,14 @@ def _same_writes(a: StepInfo, b: StepInfo) -> bool:
 def check_values(disc: Discovery, values: Sequence) -> None:
   """Every Variable holds arrays (``TypeError`` naming it); at top level none holds a tracer,
   which only a JAX transform brainnx did not manage can have left (``RuntimeError`` naming it)."""
-  abstract_states(disc, values)
-  if not _compat.at_top_level():
-    return
+  top = None
   for i, value in enumerate(values):
-    if any(isinstance(x, _compat.Tracer) for x in jax.tree.leaves(value)):
+    if type(value) is _compat.ArrayImpl:  # the common case, and neither error: one type check
+      continue
+    abstract_tree(value, lambda i=i: disc.describe(i))  # the TypeError, naming the Variable
+    if top is None:
+      top = _compat.at_top_level()
+    if top and any(isinstance(x, _compat.Tracer) for x in jax.tree.leaves(value)):
       raise RuntimeError(
         f'{disc.describe(i)} holds a leaked tracer (a value left behind by a JAX '
         'transform that brainnx did not manage). Reset it, e.g. `var[...] = jnp.zeros(shape)`, '

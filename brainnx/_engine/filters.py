@@ -207,6 +207,23 @@ def stacked_of(variable) -> Stacked | None:
   return record
 
 
+def note_whole_stacks(error: BaseException, disc) -> None:
+  """Add a note to ``error`` (raised by the user's function) when Variables it saw hold a whole
+  stack of members (an ensemble built by ``vmap``, used as one model): flax's own message is a
+  shape mismatch (``dot_general requires contracting dimensions to have the same shape``)."""
+  stacks = [(i, record) for i, v in enumerate(disc.variables) if (record := stacked_of(v)) is not None]
+  if not stacks or any(note.startswith('brainnx:') for note in getattr(error, '__notes__', ())):
+    return
+  i, record = stacks[0]
+  more = f' and {len(stacks) - 1} more Variables' if len(stacks) > 1 else ''
+  error.add_note(
+    f'brainnx: {disc.describe(i)}{more} hold a stack of {record.size} members (axis {record.axis}, built by '
+    f'vmap) and were used whole, as one model. Call the model under bnx.vmap (in_axes=0 for a model '
+    f'argument, or state_in_axes={{0: nnx.Param}} for one it closes over), or take one member: '
+    f'graphdef, state = nnx.split(model); nnx.merge(graphdef, jax.tree.map(lambda a: a[k], state))'
+  )
+
+
 _HANDLED: contextvars.ContextVar = contextvars.ContextVar('brainnx_stacks_handled_by', default=())
 
 

@@ -32,6 +32,7 @@ import numpy as np
 from brainnx import _compat
 from brainnx._engine.arguments import CallArgs
 from brainnx._engine.discovery import Discovery
+from brainnx._engine.filters import note_whole_stacks
 from brainnx._engine.outputs import OutSpec, split_output
 from brainnx._engine.structure import NO_ATTACHMENTS, Attachments, GraphSplit, KnownRefs
 
@@ -172,7 +173,11 @@ def state_step(fun: Callable, disc: Discovery, call: CallArgs, state_values: Seq
   with swapped(disc, state_values) as before:
     edits = _compat.PYTREE_EDITS.n
     args, kwargs = call.rebuild(dyn, call.refs)
-    out = fun(*args, **kwargs)
+    try:
+      out = fun(*args, **kwargs)
+    except (TypeError, ValueError) as error:  # a shape error may come from a stack used whole
+      note_whole_stacks(error, disc)
+      raise
     now = [_compat.raw_value(v) for v in disc.variables]
     graph = GraphSplit(disc)
     if _compat.PYTREE_EDITS.n == edits and disc.unchanged_since(before):

@@ -79,7 +79,16 @@ def leading_length(xs, length, name: str) -> int:
   for leaf in dyn_leaves(xs):
     shape = jnp.shape(leaf)
     if not shape:
-      raise ValueError(f'{name} got a scalar, a value with no leading axis to scan over: {leaf!r}')
+      if isinstance(xs, list) and xs and all(not jnp.shape(x) for x in dyn_leaves(xs)):
+        raise ValueError(
+          f'{name} got xs as a Python list of {len(xs)} scalars: it scans over the leading axis of arrays, '
+          'and a list is a pytree whose every item is one input with no axis. Scan over an array of '
+          'them: jnp.asarray(xs)'
+        )
+      raise ValueError(
+        f'{name} got a scalar ({type(leaf).__name__}, shape ()), a value with no leading axis to scan over: '
+        'give each input a leading axis of one row per step'
+      )
     lengths.append(shape[0])
   if length is not None:
     length = check_length(length, name)
@@ -94,6 +103,19 @@ def leading_length(xs, length, name: str) -> int:
   if not lengths:
     raise ValueError(f'{name} got no values to scan over and `length` not provided')
   return lengths[0]
+
+
+def note_list_of_arrays(error: BaseException, xs) -> None:
+  """A body that failed on ``xs`` given as a Python list of same-shaped arrays: each step got a
+  list of rows (one of each array), which is rarely what was meant."""
+  if not isinstance(error, TypeError) or not isinstance(xs, (list, tuple)) or len(xs) < 2:
+    return
+  if all(hasattr(x, 'shape') for x in xs) and len({jnp.shape(x) for x in xs}) == 1:
+    error.add_note(
+      f'brainnx: xs is a Python {type(xs).__name__} of {len(xs)} arrays of shape {tuple(jnp.shape(xs[0]))}, so '
+      f'each step gets a {type(xs).__name__} of {len(xs)} rows (row k of every array), not one of the arrays. To '
+      'scan over the arrays themselves, stack them: jnp.stack(xs)'
+    )
 
 
 def check_length(length, name: str) -> int:
@@ -242,6 +264,7 @@ def run_scan(config: ScanConfig, f: Callable, bar, init, xs):
   try:
     body, n_carry, state = scan_parts(f, init, xs, name, config.rules, config.keep_new)
   except Exception as e:
+    note_list_of_arrays(e, xs)
     if layers_check and not isinstance(e, BatchAxisError):
       layer_checks.explain_failure(discover(f, (init, step_example(xs)), {}), n, config.rules, e, name)
     raise

@@ -196,6 +196,7 @@ def batch_layout(cfg: VmapConfig, disc: Discovery, call: CallArgs, args: tuple, 
           f'state_out_axes declares axis {out_axis}: use the same axis for both'
         )
 
+  n_state = len(sizes)  # the entries before this are Variables'
   dyn_axes = []
   slot_axes = list(arg_axes) + [0] * len(kwargs)
   names = [f'argument {i}' for i in range(len(args))] + [f'keyword argument {k!r}' for k in kwargs]
@@ -232,16 +233,40 @@ def batch_layout(cfg: VmapConfig, disc: Discovery, call: CallArgs, args: tuple, 
       'axis_size was given: pass axis_size=N, or map an input'
     )
   if len(distinct) > 1:
-    listing = ', '.join(f'{where}: {s}' for s, where in sizes)
-    hint = ''
-    if any(src.startswith('in_axes of argument') for src in sources):
-      hint = (
-        '. A Module passed with an int in_axes is mapped whole: every Variable in it needs that '
-        'batch axis. Pass in_axes=None for it to broadcast it, or map only some Variables with state_in_axes'
-      )
-    raise ValueError(f'{cfg.name}: inconsistent batch sizes {distinct} ({listing}){hint}')
+    raise ValueError(_inconsistent_sizes(cfg, sizes, distinct, sources, slot_axes[:len(args)], names, n_state))
   vmap_checks.check_stacked_broadcast(cfg, disc, axes, matched, distinct[0], presplit)
   return BatchLayout(axes, split, tuple(dyn_axes), distinct[0])
+
+
+def _inconsistent_sizes(cfg: VmapConfig, sizes: list, distinct: list, sources: list, positional_axes: list,
+                        names: list, n_state: int) -> str:
+  """The message for batch sizes that disagree: the sizes grouped (Variables counted, not listed
+  one by one), and the likely fix. When the Variables agree on one size and only data
+  arguments differ (an ensemble of 4 called on a batch of 16 with the default in_axes=0), the
+  fix is those arguments' axes, not the Module's: the in_axes to write is spelt out."""
+  groups: dict = {}
+  for k, (size, where) in enumerate(sizes):
+    groups.setdefault(size, ([], []))[k >= n_state].append(where)
+  parts = []
+  for size, (state, data) in groups.items():
+    said = data + ([state[0]] if len(state) == 1 else [f'{len(state)} Variables (first: {state[0]})'] if state else [])
+    parts.append(f'size {size}: ' + ', '.join(said))
+  message = f'{cfg.name}: inconsistent batch sizes {distinct} ({"; ".join(parts)})'
+  state_sizes = {size for size, _ in sizes[:n_state]}
+  if len(state_sizes) == 1:
+    (members,) = state_sizes
+    odd = {where for size, where in sizes[n_state:] if size != members and where.startswith('argument ')}
+    if odd and all(size == members or where in odd for size, where in sizes[n_state:]):
+      axes = ['None' if names[i] in odd else repr(a) for i, a in enumerate(positional_axes)]
+      return (f'{message}. The Variables are mapped with {members} members; '
+              f'{", ".join(sorted(odd))} {"has" if len(odd) == 1 else "have"} another size. If '
+              f'{"it is" if len(odd) == 1 else "they are"} data every member sees whole (a batch, '
+              f'not one slice per member), broadcast {"it" if len(odd) == 1 else "them"}: '
+              f'in_axes=({", ".join(axes)}{"," if len(axes) == 1 else ""})')
+  if any(src.startswith('in_axes of argument') for src in sources):
+    message += ('. A Module passed with an int in_axes is mapped whole: every Variable in it needs that '
+                'batch axis. Pass in_axes=None for it to broadcast it, or map only some Variables with state_in_axes')
+  return message
 
 
 def check_node_aliases(cfg: VmapConfig, args: tuple, kwargs: dict, arg_axes: list) -> None:

@@ -109,15 +109,29 @@ def resolve_out(out: str) -> Path:
   )
 
 
-def check_writable(png: Path, out: str, parser) -> None:
-  """Create ``png``'s missing parent directories and check that the plot can be written there,
-  as an argparse error (exit 2) naming ``--out``."""
+def check_writable(path: Path, flag: str, parser, *, directory: bool = False) -> None:
+  """Probe, before training, that ``path`` (a file, or with ``directory`` a directory) can be
+  written: create its missing directories, then create and remove a file there (an existing
+  file is opened for appending, not changed). A failure is one line on stderr naming ``flag``
+  and exit status 2, as argparse's errors: ``--out /proc/fig.png`` is refused before a step
+  runs, not after all of them."""
+  def refuse(message: str):
+    parser.exit(2, f'{parser.prog}: error: {flag}: {message}\n')
+
+  folder = path if directory else path.parent
   try:
-    png.parent.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
   except OSError as e:
-    parser.error(f'--out {out}: cannot create the directory {png.parent} ({e.strerror})')
-  if not os.access(png.parent, os.W_OK) or (png.exists() and not os.access(png, os.W_OK)):
-    parser.error(f'--out {out}: {png if png.exists() else png.parent} is not writable')
+    refuse(f'cannot create the directory {folder} ({e.strerror or e})')
+  probe = folder / f'.brainnx-probe-{os.getpid()}' if directory else path
+  existed = probe.exists()
+  try:
+    with open(probe, 'ab'):
+      pass
+    if not existed:
+      probe.unlink()
+  except OSError as e:
+    refuse(f'cannot write {probe if not directory else folder} ({e.strerror or e})')
 
 
 def plot(path: Path, panels, preds: np.ndarray, data) -> None:
