@@ -21,8 +21,10 @@ All ``2 * members + 2`` networks are built stacked by one ``brainnx.vmap`` over
 the constructor (each draws its own initial keys) and train in one
 ``brainnx.jit`` program, a ``brainnx.for_loop`` over adam steps with a
 ``brainnx.ProgressBar``; each network's loss and adversarial step are chosen by
-its row of the stack. The first layer's biases start uniform in ``[-1, 1]``
-(flax's default is zero, which puts every ReLU kink at ``x = 0`` at the start).
+its row of the stack. The first layer's biases start uniform in ``[-8, 8]``, twice
+the data's range (flax's default is zero, which puts every ReLU kink at ``x = 0``):
+units whose kink lies beyond the data keep much of their random start there, and
+the members disagree where there is no data.
 The run prints, per panel, the predictive standard deviation inside the data
 (``|x| <= 4``) and its ratio on each side outside it, and the share of
 ``[-6, 6]`` where ``y = x**3`` lies within ± 3 std; it writes the four panels
@@ -62,23 +64,23 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import brainnx as bnx
 from brainnx.examples.ensemble import (
-  ADVERSARIAL_FRACTION, HIDDEN, LEARNING_RATE, MLP, figure_panels, gaussian_nll, make_data, panel_reports, report_table,
+  ADVERSARIAL_FRACTION, BIAS_RANGE, HIDDEN, LEARNING_RATE, MLP, figure_panels, gaussian_nll, make_data, panel_reports, report_table,
   roles, squared_error,
 )
 from brainnx.examples.ensemble_output import Checkpoints, check_writable, have_matplotlib, plot, resolve_out
 
 
-def build(networks: int, seed: int, hidden: int = HIDDEN, lr: float = LEARNING_RATE):
+def build(networks: int, seed: int, hidden: int = HIDDEN, lr: float = LEARNING_RATE, bias_range: float = BIAS_RANGE):
   """The stacked networks (one ``bnx.vmap`` over the constructor) and one adam optimizer per
   network, made in one compiled program (run eagerly, the mapped constructor dispatches and
   compiles its operations one by one: seconds, where the program takes one compilation)."""
-  return _build(networks, seed, hidden, lr)
+  return _build(networks, seed, hidden, lr, bias_range)
 
 
-@functools.partial(bnx.jit, static_argnums=(0, 1, 2, 3))
-def _build(networks: int, seed: int, hidden: int, lr: float):
+@functools.partial(bnx.jit, static_argnums=(0, 1, 2, 3, 4))
+def _build(networks: int, seed: int, hidden: int, lr: float, bias_range: float):
   rngs = nnx.Rngs(seed)
-  ensemble = bnx.vmap(lambda: MLP(hidden, rngs=rngs), axis_size=networks)()
+  ensemble = bnx.vmap(lambda: MLP(hidden, bias_range=bias_range, rngs=rngs), axis_size=networks)()
   return ensemble, bnx.vmap(lambda m: nnx.Optimizer(m, optax.adam(lr), wrt=nnx.Param))(ensemble)
 
 
@@ -175,13 +177,13 @@ def to_host(x) -> np.ndarray:
 
 
 def train(members: int = 5, steps: int = 3000, seed: int = 0, adversarial: float = ADVERSARIAL_FRACTION,
-          progress: bool = True) -> dict:
+          progress: bool = True, bias_range: float = BIAS_RANGE) -> dict:
   """``python -m brainnx.demo`` without the command line: trains the four panels' networks and
   returns ``panels``, ``ensemble``, ``losses`` (steps, networks), ``predictions`` on the grid
   (networks, 241, 2), ``reports`` (``std_report`` per panel) and ``data`` (x, y, grid)."""
   x, y, grid = make_data(seed)
   panels = figure_panels(members)
-  ensemble, optimizers = build(2 * members + 2, seed)
+  ensemble, optimizers = build(2 * members + 2, seed, bias_range=bias_range)
   run = make_trainer(ensemble, optimizers, panels, adversarial_epsilon(x, adversarial), progress=progress)
   losses = to_host(run(steps, x, y))
   preds = predict(ensemble, grid)

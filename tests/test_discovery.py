@@ -301,3 +301,26 @@ def test_cyclic_plain_object():
   np.testing.assert_allclose(g(h, X), X @ m.kernel[...] - 5.0, rtol=1e-6)
   assert int(concrete(h.count)) == 4
 
+
+
+NESTED_GLOBAL = nnx.Variable(jnp.ones(2))
+
+
+def test_a_global_loaded_only_inside_a_nested_function_or_lambda_is_discovered():
+  """Neither the function nor its own code names the global: a lambda and an inner function do.
+  A value set between calls is read, and a write inside reaches it, as in eager Python."""
+  def through_lambda(x):
+    return (lambda: NESTED_GLOBAL[...] * x)()
+
+  def through_inner(x):
+    def bump():
+      NESTED_GLOBAL[...] = NESTED_GLOBAL[...] + x
+    bump()
+    return NESTED_GLOBAL[...]
+
+  f, g, x = bnx.jit(through_lambda), bnx.jit(through_inner), jnp.arange(2.0)
+  f(x), f(x)
+  NESTED_GLOBAL.set_value(jnp.full(2, 3.0))
+  np.testing.assert_allclose(f(x), x * 3.0)
+  np.testing.assert_allclose(g(x), jnp.full(2, 3.0) + x)
+  np.testing.assert_allclose(NESTED_GLOBAL[...], jnp.full(2, 3.0) + x)

@@ -120,3 +120,21 @@ def test_a_program_with_a_host_callback_gives_the_values_of_the_undonated_progra
     results.append((float(out), jax.tree.map(np.asarray, nnx.state(model))))
   assert results[0][0] == results[1][0] == 2.0
   jax.tree.map(np.testing.assert_array_equal, results[0][1], results[1][1])
+
+
+def test_donate_states_donates_only_what_the_call_writes():
+  """A Variable the call only reads keeps its buffer (its old array stays usable); the written
+  one's old buffer is consumed, as jax.jit's donation of that argument alone would."""
+  w, v = nnx.Param(jnp.ones(3)), nnx.Variable(jnp.zeros(3))
+
+  def step():
+    v[...] = v[...] + w[...]
+    return v[...] * 2  # a second output of w's shape: a donated w would be reused for it
+
+  f = bnx.jit(step, donate_states=True)
+  f()
+  read, written = w.get_value(), v.get_value()
+  f()
+  assert not read.is_deleted() and written.is_deleted()
+  np.testing.assert_allclose(read, jnp.ones(3))
+  np.testing.assert_allclose(v[...], jnp.full(3, 2.0))

@@ -325,3 +325,32 @@ def test_a_constant_written_inside_grad_leaves_an_array():
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     assert isinstance(g, jax.Array)
     np.testing.assert_allclose(g, w)
+
+
+# -- issue 49: DiffState filters a mutation run showed unguarded (against nnx.grad) -------------
+
+def _two_models():
+  return [MLP(2, 3, 1, rngs=nnx.Rngs(k)) for k in range(2)]
+
+
+def _models_loss(models, x):
+  return sum((m(x) ** 2).sum() for m in models)
+
+
+def test_a_diffstate_filter_applies_to_modules_inside_a_list_argument():
+  x = jnp.ones((4, 2))
+  spec = nnx.DiffState(0, nnx.PathContains('l2'))
+  ours = bnx.grad(_models_loss, argnums=spec)(_two_models(), x)
+  theirs = nnx.grad(_models_loss, argnums=spec)(_two_models(), x)
+  assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), ours, theirs)
+  assert all('l2' in path for model in ours for path, _ in nnx.to_flat_state(model))
+
+
+def test_a_negative_diffstate_argnum_keeps_its_filter():
+  x = jnp.ones((4, 2))
+  flt = nnx.PathContains('l2')
+  ours = bnx.grad(_models_loss, argnums=nnx.DiffState(-2, flt))(_two_models(), x)
+  theirs = nnx.grad(_models_loss, argnums=nnx.DiffState(0, flt))(_two_models(), x)
+  assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), ours, theirs)

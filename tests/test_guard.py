@@ -331,3 +331,106 @@ def test_an_edit_of_a_guarded_object_is_seen_among_edits_elsewhere_and_past_the_
       nnx.Dict(a=1).b = 2
     np.testing.assert_allclose(f(x), model(x), rtol=1e-6)  # the old layer would give other values
     f(x)  # the new discovery's guard passes once: the next round starts from a mark
+
+
+# -- issue 49: what a warm call must notice (each against the eager computation) --------------
+
+def test_a_flax_write_reaches_every_warm_function_over_the_variable():
+  """Two warm functions keep value lists holding the same Variable: one set_value reaches both."""
+  w = nnx.Param(jnp.ones(3))
+  f, g = bnx.jit(lambda x: x * w[...]), bnx.jit(lambda x: x + w[...])
+  x = jnp.arange(3.0)
+  for _ in range(2):
+    f(x), g(x)
+  w.set_value(jnp.full(3, 5.0))
+  np.testing.assert_allclose(g(x), x + 5.0)
+  np.testing.assert_allclose(f(x), x * 5.0)
+  w[...] = jnp.full(3, 7.0)
+  np.testing.assert_allclose(f(x), x * 7.0)
+  np.testing.assert_allclose(g(x), x + 7.0)
+
+
+@pytest.mark.parametrize('route', ['update_from_state', 'copy_from'])
+def test_metadata_replaced_by_flax_routes_retraces_a_warm_call(route):
+  """A trace that read a Variable's metadata is not reused after update_from_state or copy_from
+  gave it other metadata."""
+  w = nnx.Param(jnp.ones(2), scale=2.0)
+  f = bnx.jit(lambda x: x * w[...] * w.get_metadata()['scale'])
+  x = jnp.arange(2.0)
+  f(x), f(x)
+  other = nnx.Param(jnp.ones(2), scale=10.0)
+  getattr(w, route)(other)
+  np.testing.assert_allclose(f(x), x * 10.0)  # eager: x * 1 * 10
+
+
+def test_a_plain_dict_that_gains_an_entry_is_seen():
+  params = {'a': nnx.Param(jnp.ones(2))}
+  f = bnx.jit(lambda x: x + sum(v[...] for v in params.values()))
+  x = jnp.zeros(2)
+  f(x), f(x)
+  params['b'] = nnx.Param(jnp.full(2, 3.0))
+  np.testing.assert_allclose(f(x), jnp.full(2, 4.0))
+
+
+def test_an_attachment_written_by_another_warm_call_is_seen():
+  """f attaches a new Variable to the model on every call; once warm, that write is brainnx's
+  own (no flax edit logs it). g, warm over the same model, reads every Variable of it and sees
+  each new one."""
+  model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+  traces = []
+
+  def attach(x):
+    traces.append(1)
+    model.h = nnx.Intermediate(x * 2)
+    return x
+
+  def total():
+    return sum(v[...].sum() for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable))
+
+  f, g = bnx.jit(attach), bnx.jit(total)
+  for _ in range(4):
+    f(jnp.ones(2)), g()
+  before = len(traces)
+  for k in range(2, 5):
+    f(jnp.ones(2) * k)
+    np.testing.assert_allclose(g(), total(), rtol=1e-6)  # eager: kernel + bias + h (4k)
+  assert len(traces) == before  # f stayed warm: its attach was brainnx's write alone
+
+
+def test_a_keyword_argument_added_to_a_warm_call_is_used():
+  f = bnx.jit(lambda x, scale=1.0: x * scale)
+  x = jnp.arange(3.0)
+  f(x), f(x)
+  np.testing.assert_allclose(f(x, scale=2.0), x * 2.0)
+  np.testing.assert_allclose(f(x), x)
+
+
+def test_a_variable_passed_where_an_array_was_is_not_sent_to_the_array_program():
+  def f(a):
+    if isinstance(a, nnx.Variable):
+      a[...] = a[...] + 1  # a write: the array program cannot do it
+      return a[...]
+    return a * 2
+
+  jitted, x = bnx.jit(f), jnp.arange(3.0)
+  jitted(x), jitted(x)
+  v = nnx.Variable(jnp.arange(3.0))
+  np.testing.assert_allclose(jitted(v), x + 1)
+  np.testing.assert_allclose(v[...], x + 1)
+
+
+class _Scaled(nnx.Module):
+  def __init__(self):
+    self.scale = jnp.ones(2)  # an array attribute: state, as nnx.split sees it
+
+  def __call__(self, x):
+    return x * self.scale
+
+
+def test_an_array_attribute_set_between_warm_calls_is_read():
+  model = _Scaled()
+  f = bnx.jit(lambda x: model(x))
+  x = jnp.arange(2.0)
+  f(x), f(x)
+  model.scale = jnp.full(2, 3.0)
+  np.testing.assert_allclose(f(x), x * 3.0)

@@ -705,3 +705,40 @@ def test_bounded_while_loop_errors_name_it():
   with pytest.raises(ValueError, match=r"^bounded_while_loop: cond_fun writes Variable at \('v',\)"):
     bnx.bounded_while_loop(lambda c: (v.set_value(v[...] + 1), c < 1)[1], lambda c: c + 1, 0, 4)
   assert float(v[...]) == 0.0
+
+
+# -- issue 49: loop semantics a mutation run showed unguarded (each against a Python loop) ------
+
+def test_while_loop_condition_reads_the_values_the_body_wrote():
+  count = nnx.Variable(jnp.array(0))
+
+  def body(x):
+    count[...] = count[...] + 1
+    return x * 2
+
+  out = bnx.while_loop(lambda x: (count[...] < 5) & (x < 1e6), body, 1.0)  # x bounds a wrong loop
+  expected_count, expected_out = 0, 1.0  # the oracle: the same loop in Python
+  while expected_count < 5 and expected_out < 1e6:
+    expected_count, expected_out = expected_count + 1, expected_out * 2
+  assert int(count[...]) == expected_count and float(out) == expected_out
+
+
+@pytest.mark.parametrize('loop', ['for_loop', 'scan', 'fori_loop'])
+def test_a_weakly_typed_write_to_a_carried_variable_keeps_its_dtype(loop):
+  """``v.set_value(2)`` (a Python int, weakly typed) into a float Variable inside a loop body, as
+  eager Python allows: accepted, and the Variable stays float32 holding the Python loop's value."""
+  v = nnx.Variable(jnp.float32(1.0))
+  total = nnx.Variable(jnp.float32(0.0))
+
+  def step(i):
+    total[...] = total[...] + v[...]
+    v.set_value(2)
+
+  if loop == 'for_loop':
+    bnx.for_loop(step, jnp.arange(3.0))
+  elif loop == 'scan':
+    bnx.scan(lambda c, i: (step(i), None)[::-1], None, jnp.arange(3.0))
+  else:
+    bnx.fori_loop(0, 3, lambda i, c: step(i), None)
+  assert v[...].dtype == jnp.float32 and total[...].dtype == jnp.float32
+  assert float(v[...]) == 2.0 and float(total[...]) == 1.0 + 2.0 + 2.0  # the Python loop's sums

@@ -448,3 +448,63 @@ def test_concurrent_writes_during_retraces_are_never_baked_into_a_trace():
       t.join(timeout=30)
   v[...] = 7.0
   assert [float(g(0.0, k)) for k in range(40)] == [7.0 + k for k in range(40)]
+
+
+# -- issue 49: rollbacks a mutation run showed unguarded ---------------------------------------
+
+def _raise_on_host(x):
+  raise ValueError('host refused')
+
+
+@pytest.mark.parametrize('caller', ['vmap first call (run op by op)', 'jit', 'StatefulFunction'])
+def test_a_call_failing_after_its_trace_keeps_nothing_the_trace_attached(caller):
+  """The trace attached a new Variable to the model; the run then fails (a host callback):
+  afterwards the model is exactly as before, as after a failing eager Python call rolled back.
+  (A transform's first call outside jit runs its program op by op, not compiled.)"""
+  model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+  before = values_of(model)
+
+  def f(x):
+    model.extra = nnx.Param(jnp.ones(2))
+    jax.debug.callback(_raise_on_host, x)
+    return model(x)
+
+  call = {'StatefulFunction': bnx.StatefulFunction(f), 'jit': bnx.jit(f)}.get(caller) or bnx.vmap(f)
+  with pytest.raises(Exception, match='host refused'):
+    call(jnp.ones((3, 2)) if caller.startswith('vmap') else jnp.ones(2))
+  assert not hasattr(model, 'extra')
+  assert_same_values(values_of(model), before)
+
+
+MODEL_BOUND = None  # a global the failing function rebinds
+
+
+def test_a_failed_call_that_rebound_a_global_from_a_module_to_a_plain_value_is_rolled_back():
+  global MODEL_BOUND
+  MODEL_BOUND = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+  module = MODEL_BOUND
+
+  def f(x):
+    global MODEL_BOUND
+    MODEL_BOUND(x)
+    MODEL_BOUND = 3  # the Module replaced by a plain value
+    raise ValueError('after the rebinding')
+
+  with pytest.raises(ValueError, match='after the rebinding'):
+    bnx.jit(f)(jnp.ones(2))
+  assert MODEL_BOUND is module  # as before the call
+
+
+def test_a_closure_rebound_from_a_module_to_a_plain_value_is_rolled_back():
+  model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+  module = model
+
+  def f(x):
+    nonlocal model
+    model(x)
+    model = None
+    raise ValueError('after the rebinding')
+
+  with pytest.raises(ValueError, match='after the rebinding'):
+    bnx.jit(f)(jnp.ones(2))
+  assert model is module

@@ -544,3 +544,18 @@ def test_the_flax_gspmd_guide_with_stacked_layers_trains_as_flax():
     for key in path:
       mine, theirs_mu = mine[key], theirs_mu[key]
     assert mine[...].sharding.spec == theirs_mu[...].sharding.spec, path
+
+
+def test_the_partition_name_goes_where_out_axes_puts_the_stack_axis():
+  """Stacked on axis 1 (state_out_axes), the kernel's sharding metadata names the new axis at
+  position 1, as nnx.vmap(out_axes=1, transform_metadata=...) gives it."""
+  mesh = jax.make_mesh((2, 2), ('data', 'model'), axis_types=(AxisType.Auto, AxisType.Auto))
+  meta = {nnx.PARTITION_NAME: 'data'}
+  with jax.set_mesh(mesh):
+    theirs = nnx.split_rngs(splits=2)(
+      nnx.vmap(lambda r: _ShardedBlock(r), in_axes=0, out_axes=1, transform_metadata=meta))(nnx.Rngs(0))
+    rngs = nnx.Rngs(0)
+    ours = bnx.vmap(lambda: _ShardedBlock(rngs), axis_size=2, state_out_axes={1: ...}, transform_metadata=meta)()
+  assert ours.lin.kernel.shape == theirs.lin.kernel.shape == (8, 2, 8)
+  assert ours.lin.kernel.get_metadata()['out_sharding'] == theirs.lin.kernel.get_metadata()['out_sharding'] \
+    == (None, 'data', 'model')

@@ -244,3 +244,17 @@ def test_a_full_cache_keeps_the_newest_trace_and_drops_the_oldest():
   assert len(traces) == 3
   sf(jnp.ones(1))  # the oldest was dropped: traced again
   assert traces[-1] == (1,) and len(traces) == 4
+
+
+def test_a_trace_made_under_standard_promotion_is_not_reused_under_strict():
+  """jax.jit refuses int32 + float32 under strict dtype promotion even after a call under the
+  standard rules; so does brainnx's cached trace."""
+  f = lambda x: x + jnp.float32(1.5)  # noqa: E731
+  ours, theirs, x = bnx.jit(f), jax.jit(f), jnp.arange(3)
+  np.testing.assert_allclose(ours(x), theirs(x))
+  ours(x)
+  with jax.numpy_dtype_promotion('strict'):
+    with pytest.raises(jax.dtypes.TypePromotionError, match='no available implicit dtype promotion path'):
+      theirs(x)
+    with pytest.raises(jax.dtypes.TypePromotionError, match='no available implicit dtype promotion path'):
+      ours(x)

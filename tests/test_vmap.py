@@ -758,3 +758,26 @@ def test_a_warm_vmap_or_jit_call_runs_a_handful_of_python_frames():
   np.testing.assert_allclose(mapped(x), jax.vmap(lambda r: mlp_pure(mlp_params(model), r))(x), rtol=1e-5, atol=1e-6)
   assert _python_frames(lambda: mapped(x)) <= 10
   assert _python_frames(lambda: jitted(x)) <= 5
+
+
+# -- issue 49: axes a mutation run showed unguarded (each against a Python loop) ---------------
+
+def test_a_written_variable_mapped_in_on_axis_1_goes_back_out_on_axis_1():
+  acc = nnx.Variable(jnp.zeros((3, 4)))
+  xs = jnp.arange(4.0)
+
+  def add(x):
+    acc[...] = acc[...] + x
+
+  bnx.vmap(add, state_in_axes={1: nnx.Variable})(xs)
+  expected = np.zeros((3, 4))
+  for k, x in enumerate(np.asarray(xs)):  # the oracle: column k gets element k
+    expected[:, k] += x
+  np.testing.assert_allclose(acc[...], expected)
+
+
+def test_a_negative_in_axis_down_to_minus_ndim_is_accepted():
+  x = jnp.arange(12.0).reshape(4, 3)
+  for axis in (-2, -1):
+    got = bnx.vmap(lambda row: row * 2, in_axes=axis)(x)
+    np.testing.assert_allclose(got, jax.vmap(lambda row: row * 2, in_axes=axis)(x))

@@ -43,17 +43,25 @@ LEARNING_RATE = 3e-3
 ADVERSARIAL_FRACTION = 0.01  # the paper's eps: 1% of the range of the training inputs
 
 
+#: The hidden biases start uniform in ``[-BIAS_RANGE, BIAS_RANGE]`` (see :class:`MLP`).
+BIAS_RANGE = 2 * DATA_RANGE
+
+
 class MLP(nnx.Module):
   """1 -> ``hidden`` ReLU -> (mean, variance): the paper's toy network.
 
   ``model(x)`` for ``x`` of shape ``(n, 1)`` is ``(n, 2)``: column 0 the mean,
   column 1 the variance ``softplus(.) + 1e-6``. The hidden biases start
-  uniform in ``[-1, 1]``, so the ReLU kinks start spread over the inputs.
+  uniform in ``[-bias_range, bias_range]`` (default twice the data's range), so
+  the ReLU kinks (at ``-bias / weight``) start spread over and beyond the data:
+  a unit whose kink lies outside the data is trained little and keeps much of
+  its random start there, which is where the members of an ensemble then
+  disagree. flax's zero biases put every kink at ``x = 0``.
   """
 
-  def __init__(self, hidden: int, *, rngs: nnx.Rngs):
-    spread = nnx.initializers.uniform(2.0)
-    self.l1 = nnx.Linear(1, hidden, bias_init=lambda k, s, d: spread(k, s, d) - 1.0, rngs=rngs)
+  def __init__(self, hidden: int, *, bias_range: float = BIAS_RANGE, rngs: nnx.Rngs):
+    spread = nnx.initializers.uniform(2.0 * bias_range)
+    self.l1 = nnx.Linear(1, hidden, bias_init=lambda k, s, d: spread(k, s, d) - bias_range, rngs=rngs)
     self.l2 = nnx.Linear(hidden, 2, rngs=rngs)
 
   def __call__(self, x):

@@ -162,12 +162,31 @@ def plot(path: Path, panels, preds: np.ndarray, data) -> None:
     ax.set_xlabel('x')
     ax.set_title(f'{panel.title}\nstd outside / inside: left {report["ratio_left"]:.1f}x, '
                  f'right {report["ratio_right"]:.1f}x', fontsize=9)
+    if panel.size > 1 and 3 * std.max() < 30:  # a spread too thin for this scale: show it magnified
+      _spread_inset(ax, g, preds[panel.rows, :, 0], mean, std)
   axes[0].set_ylabel('y')
-  axes[0].legend(loc='upper left', fontsize=7)
+  # the legend of the panel with every kind of curve, where the first panel's inset leaves room
+  with_all = max(axes, key=lambda a: len(a.get_legend_handles_labels()[1]))
+  axes[1 if len(axes) > 1 else 0].legend(*with_all.get_legend_handles_labels(), loc='upper left', fontsize=7)
   fig.tight_layout()
   path.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=100)
   plt.close(fig)
+
+
+def _spread_inset(ax, g, means, mean, std) -> None:
+  """An inset under ``ax``'s curves: each network's mean minus the panel's mean, with ± 3 std, on
+  its own scale (an MSE ensemble's members agree to a fraction of a unit on the data, invisible
+  on the panel's ±300)."""
+  inset = ax.inset_axes([0.5, 0.05, 0.47, 0.36])
+  inset.axvspan(-GRID_RANGE, -DATA_RANGE, color='0.93', lw=0)
+  inset.axvspan(DATA_RANGE, GRID_RANGE, color='0.93', lw=0)
+  inset.fill_between(g, -3 * std, 3 * std, color='tab:grey', alpha=0.35)
+  for p in means:
+    inset.plot(g, p - mean, color='tab:red', alpha=0.6, lw=0.8)
+  inset.set_xlim(-GRID_RANGE, GRID_RANGE)
+  inset.tick_params(labelsize=6)
+  inset.set_title('network means − mean (own scale)', fontsize=6, pad=2)
 
 
 def have_matplotlib() -> bool:
