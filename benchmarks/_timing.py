@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -55,9 +56,10 @@ def best_of(variants: dict[str, Callable[[], object]], *, rounds: int = 15, roun
   """Per-call time (µs) of each variant: the minimum over ``rounds`` interleaved rounds.
 
   Each variant gets its own number of calls per round, calibrated so that one
-  round takes about ``round_ms``; the variants take turns round by round, so a
-  burst of load on a shared machine hits them all alike, and the minimum keeps
-  the round that the load disturbed least. Each result also has ``.median``.
+  round takes about ``round_ms``; the variants take turns round by round, in a
+  new (seeded) order each round, so a burst of load on a shared machine hits them
+  all alike and no variant always follows the same one; the minimum keeps the
+  round that the load disturbed least. Each result also has ``.median``.
   """
   calls = {}
   for name, fn in variants.items():  # warm, then calibrate
@@ -72,8 +74,13 @@ def best_of(variants: dict[str, Callable[[], object]], *, rounds: int = 15, roun
     per_call = (time.perf_counter() - t0) / n
     calls[name] = max(1, round(round_ms / 1e3 / per_call))
   samples: dict[str, list[float]] = {name: [] for name in variants}
+  shuffle = random.Random(0).shuffle
+  order = list(variants.items())
   for _ in range(rounds):
-    for name, fn in variants.items():
+    # a new order each round (seeded): what runs just before a variant (an nnx.jit round leaves
+    # the caches cold, another the arrays warm) is not always the same variant
+    shuffle(order)
+    for name, fn in order:
       t0 = time.perf_counter()
       for _ in range(calls[name]):
         out = fn()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from itertools import islice
 from typing import Callable
 
 from brainnx import _compat
@@ -28,6 +29,11 @@ from brainnx._engine.sentinels import MISSING
 STATIC, GRAPH, DATA = 0, 1, 2
 
 _chain = itertools.chain.from_iterable
+_owner = operator.itemgetter(1)
+
+# entries read past those counted since a guard's last check: an edit counted and not yet
+# logged by another thread shifts the newest entries by one (see ``edited_here``)
+_SLACK = 4
 
 
 class Guard:
@@ -75,29 +81,34 @@ class Guard:
     check_all, check_uncounted, seen, edits = self._all, self._uncounted, self._seen, _compat.PYTREE_EDITS
     still_stateless = self._stateless
     metadata_of, log = _compat.metadata_of, _compat.EDIT_LOG
+    maxlen = log.maxlen
     nodes, variables = self._owners if self._owners is not None else (None, None)
     everything = (True, True)
 
     def edited_here(since: int) -> tuple[bool, bool]:
       """Whether the edits after count ``since`` touched (the guarded Pytrees, the guarded
       Variables' metadata): both, when an edit's object is unknown or the log no longer reaches
-      back that far. Edits of other objects touch neither."""
+      back that far. Edits of other objects touch neither. The newest entries are cut from the
+      log in C and their owners compared as sets, so a burst of foreign edits (an nnx.jit call
+      over another copy of the model: hundreds of node edits) costs a pass, not a Python loop
+      with a test per entry."""
       if nodes is None or since < 0:
         return everything
-      touched_nodes = touched_variables = False
+      new = edits.n - since
+      if new >= maxlen:
+        return everything  # the log no longer reaches back to the last check
       try:
-        for count, owner in reversed(log):
-          if count <= since:
-            return touched_nodes, touched_variables
-          if owner is None:
-            return everything
-          if owner in nodes:
-            touched_nodes = True
-          elif owner in variables:
-            touched_variables = True
+        window = list(islice(reversed(log), new + _SLACK))
       except RuntimeError:  # another thread edited while we read
         return everything
-      return everything  # the log no longer reaches back to the last check
+      if len(window) < new or (len(window) > new and window[-1][0] > since):
+        return everything  # the log no longer reaches back to the last check
+      while window and window[-1][0] <= since:  # the slack read past the last check (newest first)
+        window.pop()
+      owners = set(map(_owner, window))
+      if None in owners:
+        return everything
+      return not nodes.isdisjoint(owners), not variables.isdisjoint(owners)
 
     def ok() -> bool:
       if cells:

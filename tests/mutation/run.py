@@ -262,12 +262,12 @@ MUTANTS = [
          ('tests/test_demo.py',)),
   # issue 37: a warm call after edits elsewhere
   Mutant('edits of the guarded Pytrees are taken for edits elsewhere', 'brainnx/_engine/guard.py',
-         '          if owner in nodes:\n            touched_nodes = True',
-         '          if False:\n            touched_nodes = True',
+         'return not nodes.isdisjoint(owners), not variables.isdisjoint(owners)',
+         'return False, not variables.isdisjoint(owners)',
          ('tests/test_guard.py',)),
   Mutant('a log that no longer reaches back is trusted', 'brainnx/_engine/guard.py',
-         '      return everything  # the log no longer reaches back to the last check',
-         '      return touched_nodes, touched_variables',
+         '      if new >= maxlen:\n        return everything  # the log no longer reaches back to the last check',
+         '      if new >= maxlen:\n        return False, False  # the log no longer reaches back to the last check',
          ('tests/test_guard.py',)),
   # issue 37: the values a warm call kept
   Mutant('flax setattr writes keep the kept values', 'brainnx/_compat/flax_hooks.py',
