@@ -40,8 +40,9 @@ def figures(text: str) -> list[str]:
   return [m.group(0) for m in FIGURE.finditer(text)]
 
 
-def cell(name: str, heading: str, row: str, column: str) -> str:
-  """The cell, or a ``LookupError`` saying what is missing."""
+def cell(name: str, heading: str, row: str, column: str, nth: int = 1) -> str:
+  """The cell (in the ``nth`` column of that name, where a header repeats one), or a
+  ``LookupError`` saying what is missing."""
   path = RESULTS / name
   if not path.exists():
     raise LookupError(f'{name} does not exist')
@@ -51,9 +52,10 @@ def cell(name: str, heading: str, row: str, column: str) -> str:
   for title, (header, *rows) in tables(text):
     if not title.startswith(heading) or column not in header:
       continue
+    at = [k for k, h in enumerate(header) if h == column]
     for cells in rows:
-      if cells and cells[0] == row:
-        return cells[header.index(column)]
+      if cells and cells[0] == row and len(at) >= nth:
+        return cells[at[nth - 1]]
   raise LookupError(f'{name} has no table under {heading!r} with a column {column!r} and a row {row!r}')
 
 
