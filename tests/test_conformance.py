@@ -1214,6 +1214,17 @@ def test_a_global_variable_read_in_a_method_of_a_captured_module_is_found(name):
 
 
 @pytest.mark.parametrize('name', RUNS)
+def test_a_global_variable_read_only_in_a_nested_lambda_is_found(name):
+  """Neither the function nor its own code names the global; a lambda inside it does (issue 49:
+  the nested code's globals went undiscovered and the value was baked in)."""
+  _GLOBAL_SCALE[...] = jnp.full(3, 2.0)
+  g = make(name, lambda x: (lambda: x * _GLOBAL_SCALE[...])())
+  assert_matches(name, g(X), lambda x: x * 2.0, X)
+  _GLOBAL_SCALE[...] = jnp.full(3, 5.0)
+  assert_matches(name, g(X), lambda x: x * 5.0, X)
+
+
+@pytest.mark.parametrize('name', RUNS)
 def test_a_variable_set_to_a_non_array_between_warm_calls_is_named(name):
   """The first call and a warm one refuse it alike: a TypeError naming the Variable (a warm call
   gave JAX's internal 'Error interpreting argument'); nothing changes, and the next call works."""

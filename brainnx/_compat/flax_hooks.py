@@ -193,23 +193,16 @@ def _count_value_writes() -> None:
         edited_metadata(self)
       release()
 
-  def hooked_set_value(self, value, **kwargs):
-    acquire()
-    try:
-      return set_value(self, value, **kwargs)
-    finally:
-      release()
+  def waiting(method: Callable) -> Callable:
+    """``method(self, value, **kwargs)`` under ``TRACE_LOCK``: one frame, no argument tuple."""
+    def hook(self, value, **kwargs):
+      acquire()
+      try:
+        return method(self, value, **kwargs)
+      finally:
+        release()
 
-  def hooked_set_raw_value(self, value, **kwargs):
-    acquire()
-    try:
-      return set_raw_value_(self, value, **kwargs)
-    finally:
-      release()
-
-  def hooked_update_from_state(self, state):
-    with lock:
-      return update_from_state(self, state)
+    return hook
 
   def hooked_setstate(self, state):
     try:
@@ -234,9 +227,9 @@ def _count_value_writes() -> None:
       values_written()
 
   for name, hook, original in (('__setattr__', hooked_setattr, setattr_), ('__setstate__', hooked_setstate, setstate),
-                                ('copy_from', hooked_copy_from, copy_from), ('set_value', hooked_set_value, set_value),
-                                ('set_raw_value', hooked_set_raw_value, set_raw_value_),
-                                ('update_from_state', hooked_update_from_state, update_from_state)):
+                                ('copy_from', hooked_copy_from, copy_from), ('set_value', waiting(set_value), set_value),
+                                ('set_raw_value', waiting(set_raw_value_), set_raw_value_),
+                                ('update_from_state', waiting(update_from_state), update_from_state)):
     install(variable, name, marked(hook, original), original)
   if apply_raw_updates is not None:
     install(_compilation, '_apply_raw_updates', marked(counting_raw_updates, apply_raw_updates), apply_raw_updates)
