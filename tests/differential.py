@@ -121,6 +121,7 @@ VOCABULARY = (
   Statement('acc = acc + m.w[...]', 'read'),
   Statement('acc = acc * m.c[...] + 1.0', 'read'),
   Statement('acc = acc + G[...]', 'read'),
+  Statement('acc = (lambda: acc * G[...])()', 'read'),  # the global named only by nested code
   Statement('acc = m.scaled(acc)', 'read'),
   Statement('acc = m.lin(acc)', 'read', 'layers'),
   Statement('acc = m.bn(acc[..., None, :])[..., 0, :] + acc', 'batched write', 'layers', 'bn'),
@@ -134,6 +135,7 @@ VOCABULARY = (
   Statement('m.c[...] = m.c[...] + 1.0', 'write', target='c'),
   Statement('m.w[...] = m.w[...] * 0.9', 'write', target='w'),
   Statement('G[...] = G[...] - 0.5', 'write', target='G'),
+  Statement('(lambda: G.set_value(G[...] + 0.25))()', 'write', target='G'),
   Statement("m.t.set_value({'k': m.t['k'] * 2.0, 'j': (m.t['j'][0] + 1.0, m.t['j'][1] - 1.0)})", 'write', 'tree', 't'),
   Statement('m.c.set_value(jnp.array(-1.0))', 'write', target='c', constant=True),  # a literal of the jaxpr
   Statement('m.w[...] = m.w[...] * 0.5 + acc', 'batched write', target='w'),
