@@ -429,6 +429,9 @@ class _Compiles:
   def whole_programs(self) -> int:
     return sum('_body' in m for m in self.names)
 
+  def compiled_programs(self) -> int:
+    return sum(m.startswith('Compiling jit(_body)') for m in self.names)
+
 
 @pytest.mark.parametrize('name', [n for n in CACHED if n not in COMPILES_FIRST])
 def test_eager_first_call_compiles_no_whole_program(name):
@@ -454,6 +457,72 @@ def test_eager_first_call_compiles_no_whole_program(name):
   assert first.whole_programs() == 0, first.names
   assert second.whole_programs() >= 1 and third.whole_programs() == 0, (second.names, third.names)
   assert count[0] == TRACES_PER_SIGNATURE.get(name, 1)
+
+
+# transforms whose test function takes an input of any length (jvp and vjp are given (3,) tangents)
+ANY_LENGTH = [n for n in CACHED if n not in COMPILES_FIRST and n != 'jvp']
+
+
+@pytest.mark.parametrize('name', ANY_LENGTH)
+def test_calls_alternating_between_two_signatures_compile_each_once(name):
+  """Calls alternating between two input shapes: the first is evaluated op by op; each shape's
+  program is then compiled once (the second shape's at its first call: the function is in use),
+  and later calls compile nothing, as with jax.jit. Every call gives the oracle's values."""
+  w = nnx.Param(jnp.float32(1.5))
+
+  def f(x):
+    return jnp.tanh(x * w[...]) + 1.0
+
+  g = make(name, f)
+  pure = lambda x: jnp.tanh(x * 1.5) + 1.0  # noqa: E731 - the oracle
+  a, b = X, jnp.concatenate([X, X])
+  with _Compiles() as first:
+    got = [g(a)]
+  with _Compiles() as then:
+    got += [g(b), g(a), g(b)]
+  with _Compiles() as later:
+    got += [g(a), g(b), g(a), g(b)]
+  for out, x in zip(got, [a, b] * 4):
+    assert_matches(name, out, pure, x)
+  assert first.whole_programs() == 0, first.names
+  assert then.compiled_programs() >= 2, then.names
+  assert later.whole_programs() == 0, later.names
+
+
+# transforms given a function of (model, x), the model passed as an argument (a reference)
+WITH_MODEL_ARG = {  # wrappers and branches made once, as a user writes them
+  'vmap': lambda f: (lambda g: lambda m, x: g(m, twice(x))[0])(bnx.vmap(f, in_axes=(None, 0))),
+  'remat': lambda f: bnx.remat(f),
+  'cond': lambda f: (lambda other: lambda m, x: bnx.cond(True, f, other, m, x))(lambda m, x: x),
+  'switch': lambda f: (lambda other: lambda m, x: bnx.switch(1, [other, f], m, x))(lambda m, x: x),
+}
+
+
+@pytest.mark.parametrize('name', list(WITH_MODEL_ARG))
+def test_calls_alternating_between_two_models_compile_each_plan_once(name):
+  """Two models of one structure passed in turns: each model's plan compiles by its second call
+  and is never evaluated op by op again, as one jax.jit program per model would be."""
+
+  class Scaled(nnx.Module):
+    def __init__(self, w):
+      self.w = nnx.Param(jnp.asarray(w))
+
+  def f(m, x):
+    return jnp.tanh(x * m.w[...]) + 1.0
+
+  run = WITH_MODEL_ARG[name](f)
+  models = (Scaled(1.5), Scaled(-0.5))
+  with _Compiles() as first:
+    got = [run(m, X) for m in models]
+  with _Compiles() as second:
+    got += [run(m, X) for m in models]
+  with _Compiles() as later:
+    got += [run(m, X) for m in models + models]
+  for out, w in zip(got, [1.5, -0.5] * 4):
+    np.testing.assert_allclose(out, jnp.tanh(X * w) + 1.0, rtol=1e-6)
+  assert first.whole_programs() == 0, first.names
+  assert second.compiled_programs() >= 1, second.names
+  assert later.whole_programs() == 0, later.names
 
 
 def test_vjp_traces_per_call_as_jax_vjp():
@@ -803,6 +872,25 @@ def test_decorates_a_method(name):
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6)
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_a_bound_method_written_inline_follows_its_module(name):
+  """``transform(model.apply)`` written at the call: every call passes a new bound-method object.
+  After a Variable of the module is replaced, the next call traces again through the live
+  module, and gives the oracle's values for the new one."""
+
+  class Scaled(nnx.Module):
+    def __init__(self, w):
+      self.w = nnx.Param(w)
+
+    def apply(self, x):
+      return x * self.w[...]
+
+  model = Scaled(jnp.array([1.0, 2.0, 3.0]))
+  assert_matches(name, make(name, model.apply)(X), lambda x: x * jnp.array([1.0, 2.0, 3.0]), X)
+  model.w = nnx.Param(jnp.array([-1.0, 0.5, 4.0]))
+  assert_matches(name, make(name, model.apply)(X), lambda x: x * jnp.array([-1.0, 0.5, 4.0]), X)
 
 
 LOOPS_WITH_BARS = {

@@ -122,16 +122,18 @@ def test_a_program_with_a_host_callback_gives_the_values_of_the_undonated_progra
   jax.tree.map(np.testing.assert_array_equal, results[0][1], results[1][1])
 
 
-def test_donate_states_donates_only_what_the_call_writes():
+@pytest.mark.parametrize('form', ['call', 'decorator'])
+def test_donate_states_donates_only_what_the_call_writes(form):
   """A Variable the call only reads keeps its buffer (its old array stays usable); the written
-  one's old buffer is consumed, as jax.jit's donation of that argument alone would."""
+  one's old buffer is consumed, as jax.jit's donation of that argument alone would; given to
+  ``jit(f, ...)`` or to the decorator ``@jit(...)`` alike."""
   w, v = nnx.Param(jnp.ones(3)), nnx.Variable(jnp.zeros(3))
 
   def step():
     v[...] = v[...] + w[...]
     return v[...] * 2  # a second output of w's shape: a donated w would be reused for it
 
-  f = bnx.jit(step, donate_states=True)
+  f = bnx.jit(step, donate_states=True) if form == 'call' else bnx.jit(donate_states=True)(step)
   f()
   read, written = w.get_value(), v.get_value()
   f()

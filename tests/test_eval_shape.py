@@ -1,5 +1,8 @@
 """eval_shape: shapes without computing, no Variable changed, abstract modules (oracle: jax/nnx)."""
 
+import gc
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,6 +41,38 @@ def test_modules_created_inside_are_abstract_like_nnx_eval_shape():
   assert isinstance(ours.l1.kernel.get_value(), jax.ShapeDtypeStruct)
   assert int(rngs.default.count[...]) == 0  # the draws were undone
   np.testing.assert_array_equal(MLP(3, 4, 2, rngs=rngs).l1.kernel[...], MLP(3, 4, 2, rngs=nnx.Rngs(0)).l1.kernel[...])
+
+
+def test_a_second_call_with_the_same_signature_does_not_trace_again():
+  traces = []
+
+  def f(x):
+    traces.append(1)
+    return x * 2
+
+  for _ in range(3):
+    got = bnx.eval_shape(f, jnp.ones(3))
+  assert (got.shape, got.dtype) == (jax.eval_shape(f, jnp.ones(3)).shape, jnp.float32)
+  assert len(traces) == 2  # ours once, jax's once
+  bnx.eval_shape(f, jnp.ones(4))
+  assert len(traces) == 3
+
+
+def test_eval_shape_keeps_no_function_alive():
+  def make():
+    scale = nnx.Param(jnp.ones(3))
+
+    def f(x):
+      return x * scale[...]
+
+    return f
+
+  f = make()
+  bnx.eval_shape(f, jnp.ones(3))
+  gone = weakref.ref(f)
+  del f
+  gc.collect()
+  assert gone() is None
 
 
 def test_results_are_shape_dtype_structs_as_jax_eval_shape_gives():

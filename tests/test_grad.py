@@ -109,6 +109,10 @@ def test_has_aux_return_value_and_value_and_grad(model):
   assert_grads_match(g2, ref_g)
   with pytest.raises(TypeError, match='must return a pair'):
     bnx.grad(lambda x: model(x).sum(), grad_states=model, has_aux=True)(X)
+  with pytest.raises(TypeError, match='must return a pair'):  # a tuple, but of three
+    bnx.grad(lambda x: (model(x).sum(), 1.0, 2.0), grad_states=model, has_aux=True)(X)
+  with pytest.raises(TypeError, match='must return a pair'):  # a tuple of one
+    bnx.grad(lambda x: (model(x).sum(),), grad_states=model, has_aux=True)(X)
 
 
 def test_other_writes_are_kept():
@@ -258,6 +262,29 @@ def test_diff_state_selects_on_the_arguments_own_paths_as_nnx_grad(selects):
   _tree_equal(got, want)
   both = bnx.value_and_grad(loss, argnums=(nnx.DiffState(0, selects), 1))(_Probe(), x)
   _tree_equal(both, nnx.value_and_grad(loss, argnums=(nnx.DiffState(0, selects), 1))(_Probe(), x))
+
+
+def test_a_diff_state_filter_applies_to_its_own_position_only_as_nnx_grad():
+  """(DiffState(0, BatchStat), 1): the first Module gives its BatchStats, the second its Params."""
+  x = jnp.array([[1.0, -2.0]])
+  loss = lambda a, b, x: (a.lin(x) * a.scale[...] + b.lin(x) * b.scale[...]).sum() ** 2  # noqa: E731
+  argnums = (nnx.DiffState(0, nnx.BatchStat), 1)
+  got = bnx.grad(loss, argnums=argnums)(_Probe(), _Probe(), x)
+  want = nnx.grad(loss, argnums=argnums)(_Probe(), _Probe(), x)
+  _tree_equal(got, want)
+  assert [path for path, _ in nnx.to_flat_state(got[0])] == [('scale',)]
+  assert [path for path, _ in nnx.to_flat_state(got[1])] == [('lin', 'bias'), ('lin', 'kernel')]
+
+
+def test_an_argnum_holding_an_object_jax_cannot_differentiate_is_named():
+  class Holder:  # a plain object holding an array: no pytree, so jax.grad refuses it too
+    def __init__(self):
+      self.a = jnp.ones(2)
+
+  with pytest.raises(TypeError, match=r'grad: argument 1 \(argnums\) is a Holder, which is not a JAX type'):
+    bnx.grad(lambda x, h: (x * h.a).sum(), argnums=1)(jnp.ones(2), Holder())
+  with pytest.raises(TypeError, match='not a valid JAX type'):
+    jax.grad(lambda x, h: (x * h.a).sum(), argnums=1)(jnp.ones(2), Holder())
 
 
 @needs_capture

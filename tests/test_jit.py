@@ -520,6 +520,27 @@ def test_static_argnums_covers_keyword():
   assert_same_tree(f(x, 4), ref(x, 4))
 
 
+def test_static_argnames_reaches_a_parameter_only_kwargs_receives():
+  """A static name the function takes through **kwargs is static, as under jax.jit."""
+  def fn(x, **options):
+    return x * 2 if options['mode'] == 'double' else x - 1
+
+  f, ref = bnx.jit(fn, static_argnames='mode'), jax.jit(fn, static_argnames='mode')
+  x = jnp.arange(3.0)
+  for mode in ('double', 'shift', 'double'):
+    assert_same_tree(f(x, mode=mode), ref(x, mode=mode))
+
+
+def test_a_keyword_after_the_positionals_is_not_taken_for_the_static_position():
+  """static_argnums=1 with one argument passed by position: a keyword for a later parameter stays
+  dynamic (an array), not static by its slot number."""
+  fn = lambda x, scale=None, shift=0.0: x + shift  # noqa: E731
+  f, ref = bnx.jit(fn, static_argnums=1), jax.jit(fn, static_argnums=1)
+  x = jnp.arange(3.0)
+  for shift in (jnp.array(2.0), jnp.array(-1.0)):
+    assert_same_tree(f(x, shift=shift), ref(x, shift=shift))
+
+
 def test_static_argnums_out_of_range_raises():
   """static_argnums beyond the signature is a ValueError (jax.jit raises one too)."""
   with pytest.raises(ValueError, match=r'static_argnums=\(5,\), but only accepts 1 positional'):

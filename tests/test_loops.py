@@ -665,6 +665,23 @@ def test_bounded_while_loop_stops_at_max_steps_between_powers_of_base(max_steps,
   np.testing.assert_allclose(out, want, rtol=1e-6)
 
 
+def test_bounded_while_loop_under_disable_jit_also_stops_at_max_steps():
+  """With jax.disable_jit the loop runs in Python, and max_steps still bounds it."""
+  steps = nnx.Variable(jnp.int32(0))
+
+  def body(c):
+    steps[...] += 1
+    return c * 1.5 + 1.0
+
+  with jax.disable_jit():
+    out = bnx.bounded_while_loop(lambda c: c < 1e30, body, 0.0, 5, base=2)
+  want = 0.0
+  for _ in range(5):
+    want = want * 1.5 + 1.0
+  assert int(steps[...]) == 5
+  np.testing.assert_allclose(out, want, rtol=1e-6)
+
+
 def test_bounded_while_loop_draws_a_new_key_every_step_as_a_python_loop():
   rngs, plain = nnx.Rngs(3), nnx.Rngs(3)
 

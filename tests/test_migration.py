@@ -152,6 +152,31 @@ def test_a_state_axes_entry_matching_nothing_is_named():
     bnx.vmap(lambda m, x: m(x), in_axes=(nnx.StateAxes({nnx.Intermediate: 0, ...: None}), None))(model, X)
 
 
+def test_a_state_axes_filter_does_not_reach_the_modules_of_other_arguments():
+  """in_axes=(StateAxes({Param: 0, ...: None}), None): the second Module's Params are broadcast,
+  as nnx.vmap gives them, not mapped by the first argument's filter."""
+  model, axes = _net()
+  shared = Net(nnx.Rngs(9))
+  f = lambda m, s, x: m(x) + s(x)  # noqa: E731
+  want = nnx.vmap(f, in_axes=(axes, None, None))(model, shared, X)
+  np.testing.assert_allclose(bnx.vmap(f, in_axes=(axes, None, None))(model, shared, X), want, rtol=1e-6)
+
+
+def test_a_state_axes_entry_of_scan_matching_nothing_is_named_as_written():
+  """scan reads an nnx.StateAxes as state_in_axes; an entry that matches nothing is shown as the
+  user wrote it (one filter, not a tuple of one)."""
+  rngs = nnx.Rngs(0)
+  stack = bnx.vmap(lambda: nnx.Linear(3, 3, rngs=rngs), axis_size=4)()
+  layers = lambda h, _: (stack(h), None)  # noqa: E731
+  with pytest.raises(ValueError, match=r"scan: state_in_axes entry \{None: nnx\.BatchStat\} matches none"):
+    bnx.scan(layers, jnp.ones(3), None, length=4, state_in_axes=nnx.StateAxes({nnx.BatchStat: None, nnx.Param: 0}))
+  got = bnx.scan(layers, jnp.ones(3), None, length=4, state_in_axes=nnx.StateAxes({nnx.Param: 0}))[0]
+  want = jnp.ones(3)
+  for i in range(4):  # the oracle: a Python loop over the layers
+    want = want @ stack.kernel[i] + stack.bias[i]
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
 def test_swapped_keys_are_answered_with_the_rewrite():
   model, _ = _net()
   with pytest.raises(TypeError, match=r"did you mean state_in_axes=\{0: nnx\.Param\}\?"):

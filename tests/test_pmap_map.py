@@ -66,6 +66,42 @@ def test_map_rng_per_element_and_errors():
     bnx.map(lambda x, y: x, jnp.zeros(3), jnp.zeros(4))
 
 
+def test_map_batch_size_one_and_a_remainder_match_a_loop():
+  """batch_size=1 is a valid size (one element per step), and a batch_size that does not divide
+  the length runs the remainder too; True is no size."""
+  xs = jnp.arange(10.0).reshape(5, 2)
+  want = np.stack([np.asarray(x.sum() * 2) for x in xs])  # the oracle: a Python loop
+  for size in (1, 2, 3, 5):
+    np.testing.assert_allclose(bnx.map(lambda r: r.sum() * 2, xs, batch_size=size), want)
+  with pytest.raises(ValueError, match='batch_size must be a positive int, got True'):
+    bnx.map(lambda r: r, xs, batch_size=True)
+
+
+def test_pmap_static_broadcasted_argnums_as_jax_pmap():
+  """A static argument reaches the function as the Python value (a branch on it works)."""
+  f = lambda x, n: x * n if n > 1 else x - n  # noqa: E731
+  xs = jnp.ones((2, 3))
+  for n in (3, 1):
+    got = bnx.pmap(f, static_broadcasted_argnums=1)(xs, n)
+    np.testing.assert_allclose(got, jax.pmap(f, static_broadcasted_argnums=1)(xs, n))
+
+
+def test_pmap_tracing_a_function_that_writes_other_variables_the_second_time_is_an_error():
+  """pmap traces twice on a first call; a function whose second trace writes other Variables
+  (a Python counter picking the target) is refused, and nothing is written."""
+  first, second = nnx.Variable(jnp.zeros(())), nnx.Variable(jnp.zeros(()))
+  traces = []
+
+  def f(x):
+    traces.append(1)
+    (first if len(traces) == 1 else second)[...] += 1.0
+    return x
+
+  with pytest.raises(RuntimeError, match='did something else when traced again'):
+    bnx.pmap(f)(jnp.ones((2, 3)))
+  assert float(first[...]) == float(second[...]) == 0.0
+
+
 def test_negative_axis_size_and_pmap_over_too_many_elements_are_named():
   with pytest.raises(ValueError, match='axis_size=-1'):
     bnx.vmap(lambda: 1.0, axis_size=-1)

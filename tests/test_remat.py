@@ -1,10 +1,14 @@
 """remat / checkpoint: gradients equal the plain function's, writes allowed, temp memory drops."""
 
+import contextlib
+import io
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.ad_checkpoint import print_saved_residuals
 
 import brainnx as bnx
 
@@ -68,9 +72,34 @@ def test_reverse_mode_temp_memory_drops_on_a_deep_stack():
   assert rematted < 0.6 * plain, (rematted, plain)
 
 
+def _residuals(fn, x) -> list:
+  """What the backward pass keeps, as jax prints it, without source lines: 'f32[2,4] output of cos'."""
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    print_saved_residuals(fn, x)
+  return sorted(line.split(' from /')[0] for line in out.getvalue().strip().splitlines())
+
+
+@pytest.mark.parametrize('policy', ['nothing_saveable', 'everything_saveable', 'dots_saveable'])
+def test_a_policy_saves_what_it_saves_under_jax_checkpoint(policy):
+  """remat(f, policy=p) keeps for the backward pass exactly what jax.checkpoint(g, policy=p) keeps,
+  where g reads the Variable's array as a constant."""
+  w = nnx.Param(jnp.linspace(-1.0, 1.0, 16).reshape(4, 4))
+  held = w[...]
+  ours = bnx.remat(lambda x: jnp.sin(jnp.sin(x @ w[...]) @ w[...]).sum(), policy=getattr(jax.checkpoint_policies, policy))
+  theirs = jax.checkpoint(lambda x: jnp.sin(jnp.sin(x @ held) @ held).sum(), policy=getattr(jax.checkpoint_policies, policy))
+  x = jnp.ones((2, 4))
+  assert _residuals(ours, x) == _residuals(theirs, x)
+  np.testing.assert_allclose(jax.grad(ours)(x), jax.grad(theirs)(x), rtol=1e-6)
+
+
 def test_static_argnums_and_errors():
   scale = bnx.remat(lambda x, k: x * k, static_argnums=1)
   assert float(jax.grad(lambda x: scale(x, 3))(2.0)) == 3.0
+  # eagerly too, where a Python branch on the static argument needs its concrete value
+  branch = bnx.remat(lambda x, k: x * k if k > 1 else x - k, static_argnums=1)
+  for k in (3, 1):
+    np.testing.assert_allclose(branch(jnp.arange(3.0), k), jnp.arange(3.0) * k if k > 1 else jnp.arange(3.0) - k)
   with pytest.raises(TypeError, match='callable'):
     bnx.remat(3)
   box = nnx.Dict()

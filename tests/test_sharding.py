@@ -196,6 +196,21 @@ def test_shard_map_errors_name_the_variable_and_leave_state_exact():
   assert float(counter[...]) == 0.0
   with pytest.raises(ValueError, match=r'no mesh'):
     bnx.shard_map(lambda x: x, in_specs=P('x'), out_specs=P('x'))(x)
+  with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh .*got 'x'"):
+    bnx.shard_map(lambda x: x, mesh='x', in_specs=P('x'), out_specs=P('x'))(x)
+
+
+def test_shard_map_on_an_abstract_mesh_reads_variables_without_laying_them_out():
+  """An AbstractMesh has no devices to lay Variables out on: they are read where they are."""
+  mesh = jax.sharding.AbstractMesh((1,), ('d',))
+  w = nnx.Param(jnp.arange(4.0))
+  got = bnx.shard_map(lambda x: x * w[...], mesh=mesh, in_specs=P(), out_specs=P())(jnp.ones(4))
+  np.testing.assert_array_equal(got, jnp.ones(4) * jnp.arange(4.0))
+
+
+def test_transform_metadata_with_a_key_other_than_the_partition_name_is_refused():
+  with pytest.raises(TypeError, match=r"transform_metadata must be a dict \{nnx.PARTITION_NAME"):
+    bnx.vmap(lambda: nnx.Linear(2, 2, rngs=nnx.Rngs(0)), axis_size=2, transform_metadata={'partition': 'data'})()
 
 
 # ------------------------------------------------------------------ a sharded ensemble

@@ -93,6 +93,20 @@ def test_non_square_stack_gets_the_same_error_not_a_shape_error():
     bnx.vmap(lambda x: model(x), in_axes=None, axis_size=5)(X)
 
 
+def test_a_long_list_of_stacked_variables_is_cut_in_the_message():
+  """Twelve stacked Variables broadcast: the message names the first five and counts the rest."""
+  rngs = nnx.Rngs(0)
+  model = bnx.vmap(lambda: nnx.Sequential(*[nnx.Linear(4, 4, rngs=rngs) for _ in range(6)]), axis_size=4)()
+  with pytest.raises(bnx.BatchAxisError, match=r"is stacked") as info:
+    bnx.vmap(lambda: model(X), axis_size=4)()
+  message = str(info.value)
+  assert 'and 7 more' in message, message
+  assert message.count('Param at') == 5, message
+  got = bnx.vmap(lambda: model(X), axis_size=4, state_in_axes={0: nnx.Param})()
+  flax = nnx.vmap(lambda m, x: m(x), in_axes=(0, None))(model, X)
+  np.testing.assert_allclose(got, flax, rtol=1e-6)
+
+
 def test_in_axes_none_on_the_module_argument_raises_and_names_the_argument():
   model = _square()
   with pytest.raises(bnx.BatchAxisError, match=r"in_axes=None for argument 0.*state_in_axes=\{0: nnx\.Param\}, or pass in_axes=0 for argument 0"):

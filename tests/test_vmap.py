@@ -148,6 +148,25 @@ def test_in_out_axis_conflict():
 # -- batch size and axes -----------------------------------------------------------
 
 
+def test_a_bool_is_no_size_or_axis():
+  """True is an int to Python, never a batch size here (jax.vmap refuses it as an axis too)."""
+  with pytest.raises(ValueError, match='axis_size must be a non-negative int, got axis_size=True'):
+    bnx.vmap(lambda: jnp.ones(2), axis_size=True)()
+  with pytest.raises(TypeError, match='in_axes must be an int, None or a tuple, got True'):
+    bnx.vmap(lambda x: x, in_axes=True)(X)
+  with pytest.raises(TypeError, match='in_axes'):
+    jax.vmap(lambda x: x, in_axes=True)(X)
+
+
+def test_an_output_declared_out_axes_none_that_depends_on_the_batch_is_refused():
+  """As jax.vmap: out_axes=None promises one value for every element."""
+  with pytest.raises(ValueError, match='out_axes=None but depends on the batch'):
+    bnx.vmap(lambda x: x * 2, out_axes=None)(X)
+  with pytest.raises(ValueError, match='out_axes'):
+    jax.vmap(lambda x: x * 2, out_axes=None)(X)
+  np.testing.assert_array_equal(bnx.vmap(lambda x: jnp.ones(2), out_axes=None)(X), jax.vmap(lambda x: jnp.ones(2), out_axes=None)(X))
+
+
 def test_inconsistent_sizes():
   w = nnx.Param(jnp.ones((4, 3)))
   with pytest.raises(ValueError, match=r"inconsistent batch sizes \[4, 5\]"):
@@ -277,6 +296,34 @@ def test_presplit_keys_are_used_as_given():
   ref = jax.vmap(lambda k: jax.random.normal(jax.random.fold_in(k, 0), ()))(keys)
   np.testing.assert_allclose(out, ref, rtol=1e-6)
   np.testing.assert_array_equal(stream.default.count[...], jnp.ones(4, jnp.uint32))
+
+
+def test_a_forked_stream_passed_on_a_mapped_argument_is_used_as_given():
+  """nnx.Rngs(...).fork(split=4) holds one key per element: mapped in, each element draws from
+  its own key (not split again), as under nnx.vmap, and each key's count advances once."""
+  def forked():  # flax 0.12.4 has fork(split=n) only; later versions deprecate it for split(n)
+    rngs = nnx.Rngs(0)
+    return rngs.split(4) if hasattr(nnx.Rngs, 'split') else rngs.fork(split=4)
+
+  ours, theirs = forked(), forked()
+  got = bnx.vmap(lambda r: r.normal(()), in_axes=0)(ours)
+  want = nnx.vmap(lambda r: r.normal(()), in_axes=0)(theirs)
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(ours.default.count[...], theirs.default.count[...])
+
+
+def test_a_stack_of_streams_is_split_stream_by_stream():
+  """The engine's split of a stream of several keys: each key gives its own keys per element."""
+  from brainnx._engine.rng import split_per_element
+
+  keys, count = jax.random.split(jax.random.key(3), 3), jnp.uint32(5)
+  got = split_per_element(keys, count, 4)
+  assert got.shape == (4, 3)
+  for j in range(3):  # the oracle: one stream at a time
+    want = jax.random.split(jax.random.fold_in(keys[j], count), 4)
+    np.testing.assert_array_equal(jax.random.key_data(got[:, j]), jax.random.key_data(want))
+  one = split_per_element(keys[0], count, 4)
+  np.testing.assert_array_equal(jax.random.key_data(one), jax.random.key_data(jax.random.split(jax.random.fold_in(keys[0], count), 4)))
 
 
 def test_broadcast_stream_opt_out_gives_same_key():

@@ -86,7 +86,10 @@ def _pure_call(config: GradConfig, fun: Callable, args: tuple, kwargs: dict, arg
   diff_args = tuple(k for k in (argnums or ()) if k not in targets.node_args)
   for k in diff_args:
     if call_args.kinds[k] is not ArgKind.DYN:
-      raise TypeError(f'{name}: argument {k} (argnums) must be arrays, not a container holding Modules')
+      raise TypeError(
+        f'{name}: argument {k} (argnums) is a {type(args[k]).__name__}, which is not a JAX type to '
+        'differentiate: pass arrays (a pytree of them), or Modules and Variables'
+      )
 
   def pure(target_vals, arg_vals):
     states = list(values)
