@@ -105,6 +105,7 @@ class Trainer:
 # Each statement: its source (``m`` the model, ``G`` the global Variable, ``acc`` the running
 # value, shape (3,) or (batch, 3)), what it needs of the world, and what it is:
 # 'read', 'write' (independent of the batch), 'batched write', 'create' (attaches Variables),
+# 'bind' (binds an attribute to an object the model already holds: creates nothing),
 # 'rng' (draws from the model's Rngs).
 
 
@@ -148,6 +149,8 @@ VOCABULARY = (
   Statement("if not hasattr(m.named, 'b'):\n  m.named['b'] = nnx.Param(jnp.ones(3))\nacc = acc * m.named['b'][...]", 'create'),
   Statement("if not hasattr(m, 'extra'):\n  m.extra = nnx.Linear(3, 3, rngs=nnx.Rngs(2))\nacc = m.extra(acc)", 'create'),
   Statement("if 'a' in m.cache:\n  del m.cache['a']", 'create'),  # a node popped inside
+  Statement('m.held = m.w\nacc = acc + m.held[...]', 'bind'),  # an existing Variable at a new attribute
+  Statement("m.held_dict = m.named\nacc = acc * m.held_dict['a'][...]", 'bind'),  # an existing node
   Statement('acc = acc + m.rngs.uniform((3,))', 'rng', 'rngs'),
 )
 
@@ -161,24 +164,24 @@ RETURNS = {
 
 # transform -> (statement kinds it takes, return forms it takes)
 TRANSFORMS = {
-  'jit': ({'read', 'write', 'batched write', 'create', 'rng'},
+  'jit': ({'read', 'write', 'batched write', 'create', 'bind', 'rng'},
           ('acc', 'model', 'popped', 'created') + (('captured',) if hasattr(nnx, 'capture') else ())),  # flax >= 0.12.6
-  'vmap': ({'read', 'write', 'batched write'}, ('acc', 'model')),
-  'jit(vmap)': ({'read', 'write', 'batched write'}, ('acc',)),
-  'for_loop': ({'read', 'write', 'batched write', 'rng'}, ('acc',)),
-  'jit(for_loop)': ({'read', 'write', 'batched write', 'rng'}, ('acc',)),
-  'scan': ({'read', 'write', 'batched write', 'rng'}, ('acc',)),
-  'grad': ({'read', 'write', 'batched write', 'rng'}, ('acc',)),
-  'value_and_grad': ({'read', 'write', 'batched write', 'rng'}, ('acc',)),
+  'vmap': ({'read', 'write', 'bind', 'batched write'}, ('acc', 'model')),
+  'jit(vmap)': ({'read', 'write', 'bind', 'batched write'}, ('acc',)),
+  'for_loop': ({'read', 'write', 'bind', 'batched write', 'rng'}, ('acc',)),
+  'jit(for_loop)': ({'read', 'write', 'bind', 'batched write', 'rng'}, ('acc',)),
+  'scan': ({'read', 'write', 'bind', 'batched write', 'rng'}, ('acc',)),
+  'grad': ({'read', 'write', 'bind', 'batched write', 'rng'}, ('acc',)),
+  'value_and_grad': ({'read', 'write', 'bind', 'batched write', 'rng'}, ('acc',)),
   'cond': ({'read', 'write', 'batched write', 'rng'}, ('acc',)),
   'switch': ({'read', 'write', 'batched write', 'rng'}, ('acc',)),
-  'remat': ({'read', 'write', 'batched write', 'rng'}, ('acc', 'model', 'created')),
+  'remat': ({'read', 'write', 'bind', 'batched write', 'rng'}, ('acc', 'model', 'created')),
   'eval_shape': ({'read', 'write', 'batched write', 'rng'}, ('acc', 'created')),
-  'vmap(jit)': ({'read', 'write', 'batched write'}, ('acc',)),
-  'jit(grad)': ({'read', 'write', 'batched write', 'rng'}, ('acc',)),
-  'grad(jit)': ({'read', 'write', 'batched write', 'rng'}, ('acc',)),
+  'vmap(jit)': ({'read', 'write', 'bind', 'batched write'}, ('acc',)),
+  'jit(grad)': ({'read', 'write', 'bind', 'batched write', 'rng'}, ('acc',)),
+  'grad(jit)': ({'read', 'write', 'bind', 'batched write', 'rng'}, ('acc',)),
   'jit(cond)': ({'read', 'write', 'batched write', 'rng'}, ('acc',)),
-  'jit(remat)': ({'read', 'write', 'batched write', 'rng'}, ('acc', 'model')),
+  'jit(remat)': ({'read', 'write', 'bind', 'batched write', 'rng'}, ('acc', 'model')),
 }
 BATCHED = ('vmap', 'jit(vmap)', 'vmap(jit)')  # the input is a batch of 2
 LOOPS = ('for_loop', 'jit(for_loop)', 'scan')  # the input is 2 rows, one per step

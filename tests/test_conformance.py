@@ -165,6 +165,7 @@ CONFIGS = {
 TRACES_PER_SIGNATURE = {'pmap': 2}
 RUNS = [n for n in NAMES if n != 'eval_shape']  # eval_shape computes nothing: no writes, no run time
 CACHED = [n for n in NAMES if n != 'vjp']  # vjp traces per call, as jax.vjp
+BRANCHING = ('cond', 'switch', 'ifelse')
 
 
 def make(name, f):
@@ -1310,6 +1311,54 @@ def test_a_global_variable_read_only_in_a_nested_lambda_is_found(name):
   assert_matches(name, g(X), lambda x: x * 2.0, X)
   _GLOBAL_SCALE[...] = jnp.full(3, 5.0)
   assert_matches(name, g(X), lambda x: x * 5.0, X)
+
+
+def _through_a_class_body(x):
+  class Settings:  # a class body reads globals by name (LOAD_NAME), not as a function does
+    scale = _GLOBAL_SCALE[...]
+
+  return x * Settings.scale
+
+
+@pytest.mark.parametrize('name', RUNS)
+def test_a_global_variable_read_only_in_a_class_body_inside_the_function_is_found(name):
+  """A class defined in the function reads the global in its body: found as any other global
+  (a value set between calls is read, not baked in)."""
+  _GLOBAL_SCALE[...] = jnp.full(3, 2.0)
+  g = make(name, _through_a_class_body)
+  assert_matches(name, g(X), lambda x: x * 2.0, X)
+  _GLOBAL_SCALE[...] = jnp.full(3, 5.0)
+  assert_matches(name, g(X), lambda x: x * 5.0, X)
+
+
+_FIRST, _SECOND = nnx.Linear(3, 3, rngs=nnx.Rngs(0)), nnx.Linear(3, 3, rngs=nnx.Rngs(1))
+_ACTIVE = _FIRST
+
+
+def _switch_to_second(x):
+  global _ACTIVE
+  _ACTIVE = _SECOND  # an existing Module: no flax edit happens in the call
+  return _ACTIVE(x)
+
+
+@pytest.mark.parametrize('name', RUNS)
+def test_a_global_rebound_to_another_existing_module_stays_rebound(name):
+  """As in eager Python, the global names the other Module after the call, and the call used it.
+  Documented exception: a branch of cond, switch or ifelse may not bind names (which branch runs
+  is known only at run time); that is refused, naming it, and the name keeps its object."""
+  global _ACTIVE
+  _ACTIVE = _FIRST
+  try:
+    g = make(name, _switch_to_second)
+    if name in BRANCHING:
+      with pytest.raises(ValueError, match='binds a name or attribute to another object'):
+        g(X)
+      assert _ACTIVE is _FIRST
+      return
+    assert_matches(name, g(X), lambda x: _SECOND(x), X)
+    assert _ACTIVE is _SECOND
+  finally:
+    _ACTIVE = _FIRST
 
 
 @pytest.mark.parametrize('name', RUNS)

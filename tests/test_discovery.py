@@ -306,6 +306,42 @@ def test_cyclic_plain_object():
 NESTED_GLOBAL = nnx.Variable(jnp.ones(2))
 
 
+class _ReadsAPlainGlobal(nnx.Module):
+  def __init__(self):
+    self.w = nnx.Param(jnp.ones(3))
+
+  def __call__(self, x):
+    return x * self.w[...] * PLAIN_FACTOR
+
+
+PLAIN_FACTOR = 2.0
+
+
+def test_a_plain_global_read_in_a_method_of_a_reached_module_is_baked_in_as_jax_jit_bakes_it():
+  """Methods of the Modules a function reaches are searched for state only: a float global they
+  read is part of the trace (jax.jit gives the same values), and rebinding it retraces nothing."""
+  global PLAIN_FACTOR
+  traces = []
+  model = _ReadsAPlainGlobal()
+
+  def f(x):
+    traces.append(1)
+    return model(x)
+
+  ours, theirs, x = bnx.jit(f), jax.jit(f), jnp.arange(3.0)
+  try:
+    PLAIN_FACTOR = 2.0
+    first = (ours(x), theirs(x))
+    PLAIN_FACTOR = 3.0
+    second = (ours(x), theirs(x))
+  finally:
+    PLAIN_FACTOR = 2.0
+  np.testing.assert_array_equal(first[0], first[1])
+  np.testing.assert_array_equal(second[0], second[1])
+  np.testing.assert_array_equal(second[0], x * 2.0)
+  assert len(traces) == 2  # once each
+
+
 def test_a_global_loaded_only_inside_a_nested_function_or_lambda_is_discovered():
   """Neither the function nor its own code names the global: a lambda and an inner function do.
   A value set between calls is read, and a write inside reaches it, as in eager Python."""

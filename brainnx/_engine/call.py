@@ -176,7 +176,7 @@ class StatefulCall:
       step = None
       try:
         step = state_step(self.fun, self.disc, call or self.call, state_values, dyn)
-        if step.attachments and self.creates == 'refuse':
+        if step.new_vars and self.creates == 'refuse':  # binding existing objects creates nothing
           raise ValueError(
             f'{self.name}: the function creates Variables ({_created(step)}); create them before the '
             f'{self.name} call and only update them inside'
@@ -210,7 +210,7 @@ class StatefulCall:
     built for this call's objects and attached (one merge: sharing between them is kept)."""
     info = self.info.get()
     out, _ = finish_call(
-      self.disc, info.attachments, self.new_values, info.out_spec, list(leaves), attach=self.creates == 'keep'
+      self.disc, info.attachments, self.new_values, info.out_spec, list(leaves)
     )
     self.new_values = []
     return out

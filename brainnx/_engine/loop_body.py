@@ -35,7 +35,7 @@ from brainnx._engine.arguments import CallArgs
 from brainnx._engine.caches import LRUCache
 from brainnx._engine.discovery import Discovery, discover
 from brainnx._engine.nodes import is_graph_node
-from brainnx._engine.state import abstract_args, abstract_states, aval_key, read_values, write_values
+from brainnx._engine.state import abstract_args, abstract_states, aval_key, finish_call, read_values, write_values
 from brainnx._engine.tracing import Trace, trace_call, tracing_config
 
 
@@ -86,12 +86,15 @@ class LoopBody:
     for i in self.sliced:
       avals[i] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype, weak_type=a.weak_type), avals[i])
     self.trace = self.last_trace = self._trace_for(avals, abstract_args(self.call.dyn))
-    if (self.trace.attachments and not keep_new) or self.trace.out_spec.new_nodes():
-      if name in _BRANCHING:
-        raise ValueError(
-          f'{name}: a branch creates Variables or Modules; create them before calling {name} '
-          '(or use brainnx.vmap_new_states outside it) and only update them inside'
-        )
+    if name in _BRANCHING and (self.trace.attachments or self.trace.out_spec.new_nodes()):
+      raise ValueError(
+        f'{name}: a branch creates Variables or Modules, or binds a name or attribute to another '
+        f'object; do that before calling {name} (or use brainnx.vmap_new_states outside it) and '
+        'only update Variables inside'
+      )
+    # a body that binds existing objects (``global model; model = other``) creates nothing: the
+    # binding is made once, after the loop, by :meth:`output`
+    if (self.trace.attachments.stand_ins and not keep_new) or self.trace.out_spec.new_nodes():
       raise ValueError(
         f'{name}: the loop body creates Variables or Modules; create them before the loop '
         '(or use brainnx.vmap_new_states outside it) and only update them inside'
@@ -104,6 +107,10 @@ class LoopBody:
       trace = trace_call(self.f, self.disc, self.call, state_avals, dyn_avals)
       self._traces.set(key, trace)
     return trace
+
+  def output(self, leaves: Sequence) -> object:
+    """The loop's result from its output leaves, after what the body bound is bound."""
+    return finish_call(self.disc, self.last_trace.attachments, [], self.trace.out_spec, list(leaves))[0]
 
   @property
   def written(self) -> tuple[int, ...]:

@@ -135,7 +135,7 @@ def _bounded_impl(config: BoundedWhileConfig, roots: tuple, init_val):
   if runner:
     runner.step(run_id, jnp.int32(max_steps - 1))  # an early stop fills the bar
   body.write_back(written)
-  return body.trace.out_spec.rebuild(list(leaves), body.disc)
+  return body.output(leaves)
 
 
 def _nested(going: Callable, step: Callable, carry, slots: int, base: int):

@@ -174,7 +174,7 @@ def run_checkpointed(config: CheckpointedConfig, f: Callable, bar, init, xs):
   init_carry = (body.initial_written(), dyn_leaves(init), (run_id, jnp.int32(0)))
   (written, leaves, _), ys = _nested_scan(step, init_carry, n, base)
   body.write_back(written)
-  return body.trace.out_spec.rebuild(list(leaves) + list(ys), body.disc)
+  return body.output(list(leaves) + list(ys))
 
 
 def checkpointed_for_loop(f: Callable, *xs, length: int | None = None, base: int = 16, pbar=None) -> Any:

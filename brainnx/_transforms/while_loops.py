@@ -142,7 +142,7 @@ def run_while(config: WhileConfig, cond_fun: Callable, body_fun: Callable, init_
   body, cond_w, body_w = while_parts(cond_fun, body_fun, init_val, config.name)
   written, leaves = jax.lax.while_loop(cond_w, body_w, (body.initial_written(), dyn_leaves(init_val)))
   body.write_back(written)
-  return body.trace.out_spec.rebuild(list(leaves), body.disc)
+  return body.output(leaves)
 
 
 def fori_loop(lower, upper, body_fun: Callable, init_val: Any, pbar=None) -> Any:
