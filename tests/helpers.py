@@ -1,6 +1,7 @@
 """Small models and comparison helpers shared by the tests."""
 
 import functools
+import logging
 import os
 import socket
 import subprocess
@@ -223,3 +224,29 @@ def run_processes(module: str, flags: list, cwd, *, processes: int = 2, devices_
 
 #: Tests of ``nnx.capture``, which flax brings in 0.12.6 (brainnx supports flax from 0.12.4).
 needs_capture = pytest.mark.skipif(not hasattr(nnx, 'capture'), reason='nnx.capture arrives in flax 0.12.6')
+
+
+class Compiles:
+  """The names of the programs XLA compiles while the block runs (from ``jax.log_compiles``)."""
+
+  def __enter__(self):
+    self.names, self._handler = [], logging.Handler()
+    self._handler.emit = lambda record: self.names.append(record.getMessage())
+    self._logger = logging.getLogger('jax')
+    self._logger.addHandler(self._handler)
+    self._level = self._logger.level
+    self._logger.setLevel(logging.WARNING)
+    self._log = jax.log_compiles(True)
+    self._log.__enter__()
+    return self
+
+  def __exit__(self, *exc):
+    self._log.__exit__(*exc)
+    self._logger.removeHandler(self._handler)
+    self._logger.setLevel(self._level)
+
+  def whole_programs(self) -> int:
+    return sum('_body' in m for m in self.names)
+
+  def compiled_programs(self) -> int:
+    return sum(m.startswith('Compiling jit(_body)') for m in self.names)

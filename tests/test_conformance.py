@@ -52,7 +52,7 @@ from brainnx._transforms.scan import ScanConfig
 from brainnx._transforms.shard_map import ShardMapConfig
 from brainnx._transforms.vmap import VmapConfig
 from brainnx._transforms.while_loops import ForiConfig, WhileConfig
-from helpers import values_of
+from helpers import Compiles, values_of
 
 X = jnp.array([0.5, -1.0, 2.0])
 MESH1 = jax.make_mesh((1,), ('d',), devices=jax.devices()[:1])
@@ -406,34 +406,6 @@ def test_one_trace_after_disable_jit(name):
 COMPILES_FIRST = {'jit', 'shard_map', 'eval_shape'}
 
 
-class _Compiles:
-  """The names of the programs XLA compiles while the block runs (from ``jax.log_compiles``)."""
-
-  def __enter__(self):
-    import logging
-
-    self.names, self._handler = [], logging.Handler()
-    self._handler.emit = lambda record: self.names.append(record.getMessage())
-    self._logger = logging.getLogger('jax')
-    self._logger.addHandler(self._handler)
-    self._level = self._logger.level
-    self._logger.setLevel(logging.WARNING)
-    self._log = jax.log_compiles(True)
-    self._log.__enter__()
-    return self
-
-  def __exit__(self, *exc):
-    self._log.__exit__(*exc)
-    self._logger.removeHandler(self._handler)
-    self._logger.setLevel(self._level)
-
-  def whole_programs(self) -> int:
-    return sum('_body' in m for m in self.names)
-
-  def compiled_programs(self) -> int:
-    return sum(m.startswith('Compiling jit(_body)') for m in self.names)
-
-
 @pytest.mark.parametrize('name', [n for n in CACHED if n not in COMPILES_FIRST])
 def test_eager_first_call_compiles_no_whole_program(name):
   """A one-off eager call never waits for XLA to compile the whole program; the second call of
@@ -446,11 +418,11 @@ def test_eager_first_call_compiles_no_whole_program(name):
     return jnp.tanh(x * w[...]) + 1.0
 
   g = make(name, f)
-  with _Compiles() as first:
+  with Compiles() as first:
     one = g(X)
-  with _Compiles() as second:
+  with Compiles() as second:
     two = g(X)
-  with _Compiles() as third:
+  with Compiles() as third:
     g(X)
   pure = lambda x: jnp.tanh(x * jnp.array([1.0, 2.0, -1.0])) + 1.0  # noqa: E731 - the oracle
   assert_matches(name, one, pure, X)
@@ -477,11 +449,11 @@ def test_calls_alternating_between_two_signatures_compile_each_once(name):
   g = make(name, f)
   pure = lambda x: jnp.tanh(x * 1.5) + 1.0  # noqa: E731 - the oracle
   a, b = X, jnp.concatenate([X, X])
-  with _Compiles() as first:
+  with Compiles() as first:
     got = [g(a)]
-  with _Compiles() as then:
+  with Compiles() as then:
     got += [g(b), g(a), g(b)]
-  with _Compiles() as later:
+  with Compiles() as later:
     got += [g(a), g(b), g(a), g(b)]
   for out, x in zip(got, [a, b] * 4):
     assert_matches(name, out, pure, x)
@@ -513,11 +485,11 @@ def test_calls_alternating_between_two_models_compile_each_plan_once(name):
 
   run = WITH_MODEL_ARG[name](f)
   models = (Scaled(1.5), Scaled(-0.5))
-  with _Compiles() as first:
+  with Compiles() as first:
     got = [run(m, X) for m in models]
-  with _Compiles() as second:
+  with Compiles() as second:
     got += [run(m, X) for m in models]
-  with _Compiles() as later:
+  with Compiles() as later:
     got += [run(m, X) for m in models + models]
   for out, w in zip(got, [1.5, -0.5] * 4):
     np.testing.assert_allclose(out, jnp.tanh(X * w) + 1.0, rtol=1e-6)

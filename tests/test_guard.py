@@ -319,6 +319,25 @@ def test_an_nnx_jit_call_between_calls_costs_a_comparison_not_a_new_discovery(mo
   assert discoveries == []
 
 
+def test_a_static_argument_equal_to_the_last_one_stays_on_the_warm_path(monkeypatch):
+  """A static argument is matched by value, as jax.jit matches it: an equal tuple built anew for
+  each call takes the warm path, and a different one gives its own values."""
+  from brainnx._engine import jitted
+
+  w = nnx.Param(jnp.arange(3.0))
+  f = bnx.jit(lambda x, shape: (x * w[...]).reshape(shape), static_argnums=1)
+  x = jnp.ones(3)
+  f(x, tuple([3, 1]))
+  cold = []
+  real = jitted.JittedFunction._cold_call
+  monkeypatch.setattr(jitted.JittedFunction, '_cold_call', lambda self, *a: cold.append(1) or real(self, *a))
+  for _ in range(3):
+    np.testing.assert_array_equal(f(x, tuple([3, 1])), jnp.arange(3.0).reshape(3, 1))
+  assert cold == []
+  np.testing.assert_array_equal(f(x, (1, 3)), jnp.arange(3.0).reshape(1, 3))
+  assert cold == [1]
+
+
 def test_an_edit_of_a_guarded_object_is_seen_among_edits_elsewhere_and_past_the_log():
   model = MLP(2, 8, 1, rngs=nnx.Rngs(0))
   f = bnx.jit(lambda x: model(x))

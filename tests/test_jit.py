@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 import brainnx as bnx
-from helpers import MLP, assert_same_tree, assert_same_values, concrete, linear, mlp_params, mlp_pure, no_tracers, run_in_threads, values_of
+from helpers import MLP, Compiles, assert_same_tree, assert_same_values, concrete, linear, mlp_params, mlp_pure, no_tracers, run_in_threads, values_of
 
 X = jax.random.normal(jax.random.key(0), (4, 3))
 
@@ -539,6 +539,29 @@ def test_a_keyword_after_the_positionals_is_not_taken_for_the_static_position():
   x = jnp.arange(3.0)
   for shift in (jnp.array(2.0), jnp.array(-1.0)):
     assert_same_tree(f(x, shift=shift), ref(x, shift=shift))
+
+
+TRACES = 0
+
+
+def test_a_function_counting_its_traces_wrapped_anew_each_call_traces_and_compiles_once():
+  """``bnx.jit(f)(x)`` written inline (a new wrapper each call) over a function that counts its
+  traces in a global: one trace and one compile in all, as ``jax.jit(f)(x)`` inline gives."""
+  global TRACES
+  w = nnx.Param(jnp.arange(3.0))
+
+  def f(x):
+    global TRACES
+    TRACES += 1
+    return x * w[...]
+
+  TRACES = 0
+  x, compiles = jnp.ones(3), []
+  for _ in range(3):
+    with Compiles() as c:
+      np.testing.assert_array_equal(bnx.jit(f)(x), x * jnp.arange(3.0))
+    compiles.append(c.compiled_programs())
+  assert TRACES == 1 and compiles == [1, 0, 0], (TRACES, compiles)
 
 
 def test_static_argnums_out_of_range_raises():

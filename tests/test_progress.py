@@ -2,6 +2,7 @@
 
 import io
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,24 @@ def test_scan_bar_reaches_n_once_and_results_unchanged():
   for a, b, c in zip(jax.tree.leaves(with_bar), jax.tree.leaves(without), jax.tree.leaves(oracle), strict=True):
     np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(a, c)
+
+
+def test_a_bar_given_as_pbar_is_not_taken_for_the_same_objects_given_as_a_method():
+  """scan(bound, ...) where ``bound`` is ``step`` bound to the bar, then scan(step, ..., pbar=bar):
+  the same two objects in other places. The second call draws its bar (its program is its own)."""
+  pbar, out = bar(freq=1)
+
+  def flexible(*args):  # called bound (bar, c, x) or plain (c, x)
+    return step(*args[-2:])
+
+  first = bnx.scan(types.MethodType(flexible, pbar), 0.0, jnp.arange(4.0))
+  assert out.getvalue() == ''
+  second = bnx.scan(flexible, 0.0, jnp.arange(4.0), pbar=pbar)
+  assert_one_complete_bar(out, 4)
+  oracle = jax.lax.scan(step, 0.0, jnp.arange(4.0))
+  for a, b, c in zip(jax.tree.leaves(first), jax.tree.leaves(second), jax.tree.leaves(oracle), strict=True):
+    np.testing.assert_array_equal(a, c)
+    np.testing.assert_array_equal(b, c)
 
 
 def test_default_frequency_is_about_twenty_updates():

@@ -380,6 +380,85 @@ def test_many_scanned_closures_do_not_accumulate():
 
 
 
+def _overlapping(monkeypatch, first, during):
+  """Make the next read of Variable ``first`` run ``during()`` right after it, as another thread
+  landing between the reads of a call's Variables would."""
+  from brainnx import _compat
+
+  real, done = _compat.raw_value, []
+
+  def raw_value(v):
+    value = real(v)
+    if v is first and not done:
+      done.append(1)
+      during()
+    return value
+
+  monkeypatch.setattr(_compat, 'raw_value', raw_value)
+
+
+def test_a_read_overlapping_another_threads_trace_waits_and_sees_no_tracer(monkeypatch):
+  """A warm call reads a, then another thread's trace swaps a tracer into b before the read of
+  b: the read notices the change begun and reads again once the trace is done."""
+  a, b = nnx.Variable(jnp.ones(3)), nnx.Variable(jnp.full(3, 2.0))
+  f = bnx.jit(lambda x, *, k: x * a[...] + b[...] + k)  # a keyword: the general warm path
+  x = jnp.ones(3)
+  f(x, k=1.0), f(x, k=1.0)
+  inside, release = threading.Event(), threading.Event()
+
+  def uses_b(y):
+    inside.set()
+    release.wait(10)
+    return y * b[...]
+
+  other = threading.Thread(target=bnx.jit(uses_b), args=(jnp.ones(3),))
+
+  def during():
+    other.start()
+    inside.wait(10)  # b holds the other thread's tracer now
+    threading.Timer(0.3, release.set).start()
+
+  _overlapping(monkeypatch, a, during)
+  out = f(x, k=1.0)
+  other.join(10)
+  np.testing.assert_array_equal(out, x * 1.0 + 2.0 + 1.0)
+
+
+def test_a_kept_value_list_is_not_kept_over_a_write_landing_while_it_was_read():
+  """A warm call reads a, then another thread writes a (flax's set_value) before the read of b:
+  this call used the old a, and the next call reads the new one (the list read meanwhile is not
+  kept for it)."""
+  from brainnx import _compat
+
+  a, b = nnx.Variable(jnp.ones(3)), nnx.Variable(jnp.ones(3))
+  f = bnx.jit(lambda x: x * a[...] + b[...])
+  x = jnp.ones(3)
+  f(x)
+  f(x)
+  real, fired = _compat.raw_value, []
+
+  def raw_value(v):
+    value = real(v)
+    if v is a and not fired:
+      fired.append(1)
+      writer = threading.Thread(target=lambda: a.set_value(jnp.full(3, 5.0)))
+      writer.start()
+      writer.join(10)
+    return value
+
+  a.set_value(jnp.full(3, 2.0))
+  _compat.KEPT_VALUES.clear()  # as after any call that forgot them: the next call reads afresh
+  _compat.raw_value = raw_value
+  try:
+    first = f(x)
+  finally:
+    _compat.raw_value = real
+  second = f(x)
+  assert fired
+  np.testing.assert_array_equal(first, x * 2.0 + 1.0)  # read before the write
+  np.testing.assert_array_equal(second, x * 5.0 + 1.0)
+
+
 def test_a_flax_write_from_another_thread_during_a_trace_waits_and_is_kept():
   """Thread B writes a Variable (``set_value``, ``v[...] =``, ``nnx.update``) while thread A
   traces a function reading it: the write succeeds, as under ``nnx.jit`` (it raised

@@ -180,6 +180,20 @@ def test_errors_restore_values_and_trace_levels():
   assert isinstance(w.get_raw_value(), jax.Array)
 
 
+def test_a_variable_holding_a_leaked_tracer_is_refused_by_name_when_called():
+  """A raw jax.jit left its tracer in the Variable: calling the StatefulFunction names it (as
+  every transform does), instead of JAX's unexpected-tracer error, and leaves it as it was."""
+  v = nnx.Variable(jnp.ones(2))
+  sf = bnx.StatefulFunction(lambda x: x * v[...])
+  np.testing.assert_array_equal(sf(jnp.full(2, 3.0)), jnp.full(2, 3.0))
+  leaked = []
+  jax.jit(lambda x: leaked.append(x) or x)(jnp.ones(2))
+  v.set_value(leaked[0])
+  with pytest.raises(RuntimeError, match=r"Variable at \('v',\) holds a leaked tracer"):
+    sf(jnp.ones(2))
+  assert v.get_value() is leaked[0]
+
+
 def test_not_callable():
   with pytest.raises(TypeError, match='callable'):
     bnx.StatefulFunction(3)

@@ -118,8 +118,9 @@ def test_policy_raise_warn_ignore_and_bad_policy():
   with pytest.raises(bnx.BatchAxisError, match=r"Variable at \('acc',\).*state_out_axes=\{0"):
     bnx.vmap(f)(X)
   assert float(acc[...]) == 0.0 and no_tracers(acc)
-  with pytest.warns(UserWarning, match='differs per batch element'):
+  with pytest.warns(UserWarning, match='differs per batch element') as caught:
     bnx.vmap(f, unexpected_out_state_mapping='warn')(X)
+  assert [w.filename for w in caught] == [__file__]  # the warning points at the user's line
   np.testing.assert_allclose(acc[...], X.sum(1), rtol=1e-6)
   acc2 = nnx.Variable(jnp.zeros(()))
   with warnings.catch_warnings():
