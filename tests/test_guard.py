@@ -319,6 +319,33 @@ def test_an_nnx_jit_call_between_calls_costs_a_comparison_not_a_new_discovery(mo
   assert discoveries == []
 
 
+def test_a_variable_replaced_by_one_of_its_type_on_every_call_costs_no_new_discovery(monkeypatch):
+  """``self.h = nnx.Variable(...)`` on every call (what a model recording its last hidden state
+  does): the call follows the new Variable, so the next one needs no new discovery; the values
+  are eager Python's."""
+  from brainnx._engine import jitted
+
+  class Recorder(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(jnp.arange(3.0))
+      self.h = nnx.Variable(jnp.zeros(3))
+
+    def __call__(self, x):
+      self.h = nnx.Variable(self.h[...] + x * self.w[...])
+      return self.h[...].sum()
+
+  ours, eager = Recorder(), Recorder()
+  f, x = bnx.jit(lambda x: ours(x)), jnp.ones(3)
+  f(x), f(x), eager(x), eager(x)
+  discoveries = []
+  real = jitted.discover
+  monkeypatch.setattr(jitted, 'discover', lambda *a: discoveries.append(1) or real(*a))
+  for _ in range(3):
+    np.testing.assert_allclose(f(x), eager(x), rtol=1e-6)
+  np.testing.assert_allclose(ours.h[...], eager.h[...], rtol=1e-6)
+  assert discoveries == []
+
+
 def test_a_static_argument_equal_to_the_last_one_stays_on_the_warm_path(monkeypatch):
   """A static argument is matched by value, as jax.jit matches it: an equal tuple built anew for
   each call takes the warm path, and a different one gives its own values."""
