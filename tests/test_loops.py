@@ -665,6 +665,20 @@ def test_bounded_while_loop_stops_at_max_steps_between_powers_of_base(max_steps,
   np.testing.assert_allclose(out, want, rtol=1e-6)
 
 
+@pytest.mark.parametrize('loop', ['scan', 'checkpointed_scan'])
+def test_a_length_that_disagrees_with_the_inputs_is_refused_as_jax_lax_scan_refuses_it(loop):
+  """length=2 or 4 over 3 rows: jax.lax.scan refuses both; so do the scans, compiled or under
+  disable_jit (a checkpointed scan would otherwise read rows that are not there)."""
+  body = lambda c, x: (c + x, x)  # noqa: E731
+  for length in (2, 4):
+    with pytest.raises(ValueError, match=f'length` argument of {length} which disagrees'):
+      jax.lax.scan(body, 0.0, jnp.ones(3), length=length)
+    with pytest.raises(ValueError, match=rf'{loop} got `length` argument of {length} which disagrees with leading axis sizes \[3\]'):
+      getattr(bnx, loop)(body, 0.0, jnp.ones(3), length=length)
+    with jax.disable_jit(), pytest.raises(ValueError, match=f'{loop} got `length` argument of {length}'):
+      getattr(bnx, loop)(body, 0.0, jnp.ones(3), length=length)
+
+
 def test_bounded_while_loop_under_disable_jit_also_stops_at_max_steps():
   """With jax.disable_jit the loop runs in Python, and max_steps still bounds it."""
   steps = nnx.Variable(jnp.int32(0))

@@ -731,7 +731,7 @@ MUTANTS = [
   Mutant('a length disagreeing with the inputs is accepted', 'brainnx/_transforms/scan.py',
          '    if any(n != length for n in lengths):',
          '    if False:',
-         ('tests/test_loops.py',)),
+         ('-k', 'disagrees_with_the_inputs', 'tests/test_loops.py')),
   Mutant('scan runs backwards when asked forwards', 'brainnx/_transforms/scan.py',
          'order = range(n - 1, -1, -1) if reverse else range(n)',
          'order = range(n) if reverse else range(n - 1, -1, -1)',
