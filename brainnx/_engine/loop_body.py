@@ -108,9 +108,10 @@ class LoopBody:
       self._traces.set(key, trace)
     return trace
 
-  def output(self, leaves: Sequence) -> object:
-    """The loop's result from its output leaves, after what the body bound is bound."""
-    return finish_call(self.disc, self.last_trace.attachments, [], self.trace.out_spec, list(leaves))[0]
+  def output(self, leaves: Sequence, created: Sequence = ()) -> object:
+    """The loop's result from its output leaves, after what the body attached (the values of the
+    Variables it created: ``created``) or bound is attached."""
+    return finish_call(self.disc, self.last_trace.attachments, list(created), self.trace.out_spec, list(leaves))[0]
 
   @property
   def written(self) -> tuple[int, ...]:

@@ -36,7 +36,6 @@ from brainnx._engine.errors import BatchAxisError, check_callable
 from brainnx._engine.filters import AxisRules, stacks_exempt
 from brainnx._engine.loop_body import LoopBody, all_or_nothing, dyn_leaves, in_python
 from brainnx._engine.outputs import Leaf
-from brainnx._engine.state import finish_call
 from brainnx._transforms import layer_checks, scan_state
 from brainnx._transforms.progress import runner_for, split_pbar
 
@@ -298,7 +297,7 @@ def run_scan(config: ScanConfig, f: Callable, bar, init, xs):
   if n:  # a fixed stream's count: what one step leaves (every step leaves the same)
     body.write_back([jax.tree.map(lambda a: a[-1], v) for v in fixed_out], fixed_written)
   # what the body attached comes out stacked over the steps
-  return finish_call(body.disc, body.last_trace.attachments, created, body.trace.out_spec, list(leaves) + list(ys))[0]
+  return body.output(list(leaves) + list(ys), created)
 
 
 def stacked_length(f, init, xs, rules: AxisRules, name: str) -> int | None:

@@ -190,5 +190,4 @@ def _shard_map_impl(config: ShardMapConfig, roots: tuple, *args, **kwargs):
       axis_names=config.axis_names, check_vma=config.check_vma,
     )(values, tuple(arguments.dyn))
     stateful.write_back([now[i] for i in stateful.written])
-  # a binding of existing objects the function made (``global model; model = other``) is made here
-  return stateful.output(jax.tree.leaves(out)) if stateful.info.get().attachments else out
+  return stateful.output(jax.tree.leaves(out))  # with what the function bound, as every transform
