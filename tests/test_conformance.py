@@ -318,7 +318,9 @@ def _write_by_cached_partial(holder, value):
   nnx.cached_partial(nnx.jit(lambda h: h.w.set_value(value)), holder)()
 
 
-_WRITERS = {}  # (id(holder), maker) -> a compiled writer (it holds the holder: the id stays its own)
+# (id(holder), maker) -> (holder, its compiled writer). The entry holds the holder itself, so its
+# id is never reused by a later holder: nnx.jit_partial keeps only the holder's Variables.
+_WRITERS = {}
 
 
 def _warm_writer(holder, make_writer):
@@ -326,9 +328,9 @@ def _warm_writer(holder, make_writer):
   a warm call of the function under test must see."""
   key = (id(holder), make_writer)
   if key not in _WRITERS:
-    _WRITERS[key] = make_writer(holder)
-    _WRITERS[key](holder.w[...])
-  return _WRITERS[key]
+    _WRITERS[key] = (holder, make_writer(holder))
+    _WRITERS[key][1](holder.w[...])
+  return _WRITERS[key][1]
 
 
 def _set_w(holder, value):
