@@ -53,7 +53,7 @@ def variants():
   closure = bnx.jit(bnx.vmap(lambda x: ens(x), in_axes=None, state_in_axes={0: nnx.Param}))
   arg = bnx.jit(bnx.vmap(lambda m, x: m(x), in_axes=(0, None)))
   eager = bnx.vmap(lambda m, x: m(x), in_axes=(0, None))
-  flax_ens = nnx.merge(*nnx.split(ens))
+  flax_ens = nnx.clone(ens)  # its own Variables: nnx.jit writes back into those it is given
   nnx_fn = nnx.jit(nnx.vmap(lambda m, x: m(x), in_axes=(0, None)))
   cached = nnx.cached_partial(nnx_fn, flax_ens)
   ref = raw_flat(*flat, x)
@@ -82,7 +82,7 @@ def one_off_variants():
   """Eager calls of a function made anew each call (a one-off), against a reused one."""
   rngs = nnx.Rngs(0)
   ens = bnx.vmap(lambda: MLP(32, 64, 32, rngs=rngs), axis_size=MEMBERS)()
-  flax_ens = nnx.merge(*nnx.split(ens))
+  flax_ens = nnx.clone(ens)
   x = jnp.ones((16, 32))
   reused = bnx.vmap(lambda m, x: m(x), in_axes=(0, None))
   return {

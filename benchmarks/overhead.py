@@ -62,10 +62,11 @@ def variants(depth: int, width: int = 32, batch: int = 16, cached_partial: bool 
   model = Stack(depth, nnx.Rngs(0), width)
   x = jnp.ones((batch, width))
   params = _peers.params_of(model.layers)
-  # nnx's rows get their own copy (same arrays): an nnx.jit call re-inserts the attributes of
-  # the modules it updates, and brainnx, whose guard sees that, would re-discover on its next
-  # call; sharing one model would time that, not the steady state.
-  flax_model = nnx.merge(*nnx.split(model))
+  # nnx's rows get their own copy (nnx.clone: new Variables, the same arrays). An nnx.jit call
+  # writes its outputs back into the Variables it was given and re-inserts the attributes of the
+  # modules it updates; brainnx's guard sees both, so sharing the Variables (as a copy made by
+  # nnx.merge(*nnx.split(model)) does) would time that, not the steady state.
+  flax_model = nnx.clone(model)
   raw = jax.jit(pure)
   flat = [a for pair in params for a in pair]
   raw_flat = jax.jit(pure_flat)
