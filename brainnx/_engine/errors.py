@@ -15,7 +15,7 @@ import inspect
 import sys
 from typing import Any
 
-from brainnx._engine.nodes import LIBRARY_DIRS
+from brainnx._engine.nodes import is_library_file
 
 
 class BatchAxisError(ValueError):
@@ -64,6 +64,6 @@ def check_callable(fun: Any, name: str) -> None:
 def user_stacklevel() -> int:
   """The ``warnings.warn`` stacklevel of the first frame outside brainnx, jax and flax."""
   frame, level = sys._getframe(1), 1
-  while frame is not None and frame.f_code.co_filename.startswith(LIBRARY_DIRS):
+  while frame is not None and is_library_file(frame.f_code.co_filename):
     frame, level = frame.f_back, level + 1
   return level

@@ -15,7 +15,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import site
 import sys
+import sysconfig
 import types
 from typing import Any, Hashable
 
@@ -48,10 +50,12 @@ _LIBRARY_PACKAGES = frozenset({
 
 def _library_dirs() -> tuple[str, ...]:
   dirs = []
-  for name in ('jax', 'jaxlib', 'flax', 'numpy', 'optax', 'tqdm', 'chex', 'matplotlib'):
+  for name in ('jax', 'jaxlib', 'flax', 'numpy', 'optax', 'tqdm', 'chex', 'matplotlib', 'typing_extensions'):
     spec = importlib.util.find_spec(name)
     if spec is not None and spec.submodule_search_locations:
       dirs.extend(os.path.join(p, '') for p in spec.submodule_search_locations)
+    elif spec is not None and spec.origin:  # a single-file module
+      dirs.append(spec.origin)
   here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   dirs.append(os.path.join(here, '_'))  # brainnx's own private modules (_compat, _engine/, _transforms/)
   dirs.append(os.path.join(here, '__init__'))
@@ -60,6 +64,26 @@ def _library_dirs() -> tuple[str, ...]:
 
 # Functions defined in these files are not searched for captured Variables.
 LIBRARY_DIRS = _library_dirs()
+# Python's standard library: its directories, less the site-packages inside them (with pyenv or
+# a system Python, site-packages lies under the standard library's directory)
+_STDLIB = tuple({os.path.join(sysconfig.get_paths()[k], '') for k in ('stdlib', 'platstdlib')})
+_SITE = tuple({os.path.join(sysconfig.get_paths()[k], '') for k in ('purelib', 'platlib')}
+              | {os.path.join(p, '') for p in site.getsitepackages() if p})
+
+
+@functools.lru_cache(maxsize=4096)
+def is_library_file(filename: str) -> bool:
+  """Whether code from ``filename`` belongs to a library (JAX, flax, ..., brainnx's private
+  modules, Python's standard library): its globals are its own, never a user's Variables, and
+  its frames are not the user's.
+
+  >>> import collections.abc
+  >>> is_library_file(collections.abc.__file__), is_library_file('/home/me/train.py')
+  (True, False)
+  """
+  if filename.startswith(LIBRARY_DIRS) or filename.startswith('<frozen '):
+    return True
+  return filename.startswith(_STDLIB) and not filename.startswith(_SITE)
 
 
 def is_graph_node(x: Any) -> bool:

@@ -25,7 +25,7 @@ from typing import Hashable
 
 from flax import nnx
 
-from brainnx._engine.nodes import LIBRARY_DIRS, holds_graph_node, is_plain_object, static_key
+from brainnx._engine.nodes import holds_graph_node, is_library_file, is_plain_object, static_key
 from brainnx._engine.sentinels import MISSING
 
 
@@ -147,7 +147,7 @@ class RootFinder:
     if hasattr(fn, '__wrapped__'):
       self.explore(fn.__wrapped__)
     code = fn.__code__
-    library = code.co_filename.startswith(LIBRARY_DIRS)
+    library = is_library_file(code.co_filename)
     for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
       try:
         obj = cell.cell_contents
@@ -206,7 +206,7 @@ def user_methods(cls: type) -> tuple:
       if isinstance(attr, (staticmethod, classmethod)):
         attr = attr.__func__
       for fn in (attr.fget, attr.fset) if isinstance(attr, property) else (attr,):
-        if isinstance(fn, types.FunctionType) and not fn.__code__.co_filename.startswith(LIBRARY_DIRS):
+        if isinstance(fn, types.FunctionType) and not is_library_file(fn.__code__.co_filename):
           found[fn] = None
   return tuple(found)
 
@@ -214,7 +214,7 @@ def user_methods(cls: type) -> tuple:
 def user_constructor(cls: type):
   """``cls.__init__`` when it is written in user code (it may close over an ``nnx.Rngs``), else None."""
   init = getattr(cls, '__init__', None)
-  if isinstance(init, types.FunctionType) and not init.__code__.co_filename.startswith(LIBRARY_DIRS):
+  if isinstance(init, types.FunctionType) and not is_library_file(init.__code__.co_filename):
     return init
   return None
 
