@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import site
 import sys
 import sysconfig
 import types
@@ -64,11 +63,9 @@ def _library_dirs() -> tuple[str, ...]:
 
 # Functions defined in these files are not searched for captured Variables.
 LIBRARY_DIRS = _library_dirs()
-# Python's standard library: its directories, less the site-packages inside them (with pyenv or
-# a system Python, site-packages lies under the standard library's directory)
+# Python's standard library (its site-packages, which may lie inside it, excepted)
 _STDLIB = tuple({os.path.join(sysconfig.get_paths()[k], '') for k in ('stdlib', 'platstdlib')})
-_SITE = tuple({os.path.join(sysconfig.get_paths()[k], '') for k in ('purelib', 'platlib')}
-              | {os.path.join(p, '') for p in site.getsitepackages() if p})
+_INSTALLED = ('site-packages', 'dist-packages')
 
 
 @functools.lru_cache(maxsize=4096)
@@ -83,7 +80,10 @@ def is_library_file(filename: str) -> bool:
   """
   if filename.startswith(LIBRARY_DIRS) or filename.startswith('<frozen '):
     return True
-  return filename.startswith(_STDLIB) and not filename.startswith(_SITE)
+  for stdlib in _STDLIB:
+    if filename.startswith(stdlib):
+      return not filename[len(stdlib):].startswith(_INSTALLED)
+  return False
 
 
 def is_graph_node(x: Any) -> bool:
