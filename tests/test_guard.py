@@ -346,6 +346,32 @@ def test_a_variable_replaced_by_one_of_its_type_on_every_call_costs_no_new_disco
   assert discoveries == []
 
 
+def test_metadata_set_on_a_followed_variable_among_edits_elsewhere_is_seen():
+  """A Variable replaced from outside by one of its type is followed, not discovered again;
+  metadata set on the replacement later, among a burst of edits of another model, retraces as
+  eager Python reads it: the replacement's edits are this guard's, not somebody else's."""
+
+  class Scaled(nnx.Module):
+    def __init__(self):
+      self.h = nnx.Variable(jnp.ones(3), scale=1.0)
+
+    def __call__(self, x):
+      return x * self.h[...] * self.h.get_metadata()['scale']
+
+  ours, eager, elsewhere = Scaled(), Scaled(), nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+  f, x = bnx.jit(lambda x: ours(x)), jnp.arange(3.0)
+  f(x), f(x)
+  for model in (ours, eager):
+    model.h = nnx.Variable(jnp.full(3, 2.0), scale=1.0)
+  for _ in range(2):  # the first follows the replacement; the second passes the guard past it
+    np.testing.assert_allclose(f(x), eager(x), rtol=1e-6)
+  for model in (ours, eager):
+    model.h.set_metadata(scale=4.0)
+  for _ in range(20):
+    nnx.update(elsewhere, nnx.state(elsewhere))  # edits of another model's nodes
+  np.testing.assert_allclose(f(x), eager(x), rtol=1e-6)
+
+
 def test_a_static_argument_equal_to_the_last_one_stays_on_the_warm_path(monkeypatch):
   """A static argument is matched by value, as jax.jit matches it: an equal tuple built anew for
   each call takes the warm path, and a different one gives its own values."""

@@ -64,7 +64,8 @@ class Guard:
     self._globals = list(globals_)  # [namespace, name, object]
     self._metadata = list(metadata)  # [Variable, a copy of its metadata]
     # ids of the Pytrees and of the Variables whose edits matter here (None: any edit does)
-    self._owners = None if owners is None else (set(owners[0]), set(owners[1]))
+    # (Pytrees, Variables, either or an unknown owner): the last answers 'any of ours?' in one pass
+    self._owners = None if owners is None else (set(owners[0]), set(owners[1]), {*owners[0], *owners[1], None})
     self._all = _entry_check(containers, masks)
     self._uncounted = _entry_check(
       [c for c, n in zip(containers, counted) if not n], [m for m, n in zip(masks, counted) if not n]
@@ -82,16 +83,16 @@ class Guard:
     still_stateless = self._stateless
     metadata_of, log = _compat.metadata_of, _compat.EDIT_LOG
     maxlen = log.maxlen
-    nodes, variables = self._owners if self._owners is not None else (None, None)
+    nodes, variables, ours = self._owners if self._owners is not None else (None, None, None)
     everything = (True, True)
 
     def edited_here(since: int) -> tuple[bool, bool]:
       """Whether the edits after count ``since`` touched (the guarded Pytrees, the guarded
       Variables' metadata): both, when an edit's object is unknown or the log no longer reaches
       back that far. Edits of other objects touch neither. The newest entries are cut from the
-      log in C and their owners compared as sets, so a burst of foreign edits (an nnx.jit call
-      over another copy of the model: hundreds of node edits) costs a pass, not a Python loop
-      with a test per entry."""
+      log in C and tested against this guard's owners in one C pass that builds nothing, so a
+      burst of foreign edits (nnx.jit calls over another copy of the model: hundreds of node
+      edits each) costs a pass, not a Python loop with a test per entry."""
       if nodes is None or since < 0:
         return everything
       new = edits.n - since
@@ -105,6 +106,8 @@ class Guard:
         return everything  # the log no longer reaches back to the last check
       while window and window[-1][0] <= since:  # the slack read past the last check (newest first)
         window.pop()
+      if ours.isdisjoint(map(_owner, window)):
+        return False, False  # the common case: only other objects were edited
       owners = set(map(_owner, window))
       if None in owners:
         return everything
@@ -160,6 +163,7 @@ class Guard:
     swap = {id(old): new for old, new in replaced}
     if self._owners is not None:
       self._owners[1].update(id(new) for _, new in replaced)
+      self._owners[2].update(id(new) for _, new in replaced)
     self._metadata[:] = [(swap[id(v)], dict(_compat.metadata_of(swap[id(v)]))) if id(v) in swap else (v, m)
                          for v, m in self._metadata]
 

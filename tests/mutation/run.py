@@ -265,6 +265,10 @@ MUTANTS = [
          'return not nodes.isdisjoint(owners), not variables.isdisjoint(owners)',
          'return False, not variables.isdisjoint(owners)',
          ('tests/test_guard.py',)),
+  Mutant("the one-pass test misses the guarded Pytrees", 'brainnx/_engine/guard.py',
+         "(set(owners[0]), set(owners[1]), {*owners[0], *owners[1], None})",
+         "(set(owners[0]), set(owners[1]), {*owners[1], None})",
+         ('tests/test_guard.py',)),
   Mutant('a log that no longer reaches back is trusted', 'brainnx/_engine/guard.py',
          '      if new >= maxlen:\n        return everything  # the log no longer reaches back to the last check',
          '      if new >= maxlen:\n        return False, False  # the log no longer reaches back to the last check',
@@ -862,6 +866,13 @@ MUTANTS = [
 # Survivors of the second set that no program can tell from the code (each with the reason and
 # the programs tried): kept here, not run, so the argument stays next to the patch.
 EQUIVALENT = [
+  (Mutant("a followed Variable's edits are taken for edits elsewhere", 'brainnx/_engine/guard.py',
+         '      self._owners[2].update(id(new) for _, new in replaced)\n',
+         '',
+         ('-k', 'followed_variable', 'tests/test_guard.py')),
+   'a guard follows a Variable only when a call puts it into the model, and that attach is logged as an edit of unknown owner, '
+   'which the one-pass test counts as ours; the plan runs the same trace, so every later call attaches again. Tried: '
+   'metadata set on the replacement among 20 nnx.update calls of another model, the replacement made in the call and from outside'),
   (Mutant('a reused id maps to the old object', 'brainnx/_engine/caches.py',
          'if any(r() is not o for r, o in zip(refs, objects)):',
          'if False:',
