@@ -162,8 +162,10 @@ class Guard:
         check.resave(graph=True)
     swap = {id(old): new for old, new in replaced}
     if self._owners is not None:
-      self._owners[1].update(id(new) for _, new in replaced)
-      self._owners[2].update(id(new) for _, new in replaced)
+      _, variables, ours = self._owners
+      for _, new in replaced:
+        variables.add(id(new))
+        ours.add(id(new))
     self._metadata[:] = [(swap[id(v)], dict(_compat.metadata_of(swap[id(v)]))) if id(v) in swap else (v, m)
                          for v, m in self._metadata]
 

@@ -61,9 +61,9 @@ def _library_dirs() -> tuple[str, ...]:
   return tuple(dirs)
 
 
-# Functions defined in these files are not searched for captured Variables.
-LIBRARY_DIRS = _library_dirs()
-# Python's standard library (its site-packages, which may lie inside it, excepted)
+# what is_library_file reads: the libraries' folders and files, and Python's standard library
+# (the site-packages folder that may lie inside it excepted)
+_LIBRARY_DIRS = _library_dirs()
 _STDLIB = tuple({os.path.join(sysconfig.get_paths()[k], '') for k in ('stdlib', 'platstdlib')})
 _INSTALLED = ('site-packages', 'dist-packages')
 
@@ -78,7 +78,7 @@ def is_library_file(filename: str) -> bool:
   >>> is_library_file(collections.abc.__file__), is_library_file('/home/me/train.py')
   (True, False)
   """
-  if filename.startswith(LIBRARY_DIRS) or filename.startswith('<frozen '):
+  if filename.startswith(_LIBRARY_DIRS) or filename.startswith('<frozen '):
     return True
   for stdlib in _STDLIB:
     if filename.startswith(stdlib):

@@ -867,7 +867,7 @@ MUTANTS = [
 # the programs tried): kept here, not run, so the argument stays next to the patch.
 EQUIVALENT = [
   (Mutant("a followed Variable's edits are taken for edits elsewhere", 'brainnx/_engine/guard.py',
-         '      self._owners[2].update(id(new) for _, new in replaced)\n',
+         '        ours.add(id(new))\n',
          '',
          ('-k', 'followed_variable', 'tests/test_guard.py')),
    'a guard follows a Variable only when a call puts it into the model, and that attach is logged as an edit of unknown owner, '
