@@ -130,9 +130,7 @@ def make_trainer(ensemble, optimizers, panels, epsilon: float, mesh=None, progre
     pbar = bars.setdefault(steps, bnx.ProgressBar(
       count=min(20, steps), disable=not progress or jax.process_index() != 0,
       desc=('loss: (i) {mse:.1f}, (iv) {nll:.3f}', summary)))
-    # numpy step indices: the same value in every process, as jax.distributed needs
-    return bnx.for_loop(lambda _: train_step(ensemble, optimizers, nll, adversarial, x, y),
-                        np.arange(steps), pbar=pbar)
+    return bnx.for_loop(lambda: train_step(ensemble, optimizers, nll, adversarial, x, y), length=steps, pbar=pbar)
 
   layout = None if mesh is None else {NamedSharding(mesh, P('ens')): ...}
   compiled = bnx.jit(loop, static_argnums=0, donate_states=True, state_shardings=layout)
@@ -141,6 +139,7 @@ def make_trainer(ensemble, optimizers, panels, epsilon: float, mesh=None, progre
   def run(steps: int, x, y):
     return compiled(steps, x, y, *network_roles)
 
+  run.lower = lambda steps, x, y: compiled.lower(steps, x, y, *network_roles)  # the program, for inspection
   return run
 
 

@@ -198,3 +198,87 @@ def test_ctrl_c_while_the_bar_draws_is_a_keyboard_interrupt(monkeypatch, caplog)
   monkeypatch.setattr(tqdm.tqdm, 'update', real_update)
   run(xs)
   np.testing.assert_allclose(total[...], 2 * xs.sum())
+
+
+@pytest.mark.parametrize('reverse', [False, True])
+@pytest.mark.parametrize('n, freq', [(10, 3), (9, 3), (4, 4), (7, 1)])
+def test_chunked_loop_equals_lax_scan_and_the_bar_ends_full(n, freq, reverse):
+  """The bar's loop runs as chunks of ``freq`` steps plus the rest: carry and ys as
+  ``jax.lax.scan``'s, a written Variable as a Python loop leaves it, the bar at n/n."""
+  total = nnx.BatchStat(jnp.zeros(()))
+
+  def body(c, x):
+    total[...] = total[...] * 0.5 + x
+    return c * 1.5 + x, (c, total[...])
+
+  pbar, out = bar(freq=freq)
+  xs = jnp.arange(1.0, n + 1.0)
+  carry, ys = bnx.scan(body, 1.0, xs, reverse=reverse, pbar=pbar)
+  assert out.getvalue().count('\n') == 1, repr(out.getvalue())
+  assert_one_complete_bar(out, n)
+
+  def pure(carry, x):
+    c, t = carry
+    t = t * 0.5 + x
+    return (c * 1.5 + x, t), (c, t)
+
+  (c_oracle, t_oracle), ys_oracle = jax.lax.scan(pure, (1.0, 0.0), xs, reverse=reverse)
+  np.testing.assert_array_equal(carry, c_oracle)
+  np.testing.assert_array_equal(total[...], t_oracle)
+  for a, b in zip(ys, ys_oracle, strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+def _host_calls(fn, *args) -> int:
+  return len(re.findall(r' custom-call\(', jax.jit(fn).lower(*args).compile().as_text()))
+
+
+def test_a_disabled_bar_compiles_no_host_call(monkeypatch):
+  """``disable=True``, or any process but 0, draws nothing and compiles nothing: the program is the
+  one without a bar (no callback, no chunked loop)."""
+  xs = jnp.arange(12.0)
+  plain = jax.jit(lambda xs: bnx.for_loop(lambda x: x * 2, xs)).lower(xs).compile().as_text()
+  assert _host_calls(lambda xs: bnx.for_loop(lambda x: x * 2, xs, pbar=bnx.ProgressBar(freq=2)), xs) == 2
+  disabled = bnx.ProgressBar(freq=2, disable=True)
+  off = jax.jit(lambda xs: bnx.for_loop(lambda x: x * 2, xs, pbar=disabled)).lower(xs).compile().as_text()
+  assert ' custom-call(' not in off and off.count(' while(') == plain.count(' while(')
+  monkeypatch.setattr(jax, 'process_index', lambda *a, **k: 1)
+  pbar, out = bar(freq=2)
+  assert _host_calls(lambda xs: bnx.for_loop(lambda x: x * 3, xs, pbar=pbar), xs) == 0
+  np.testing.assert_array_equal(bnx.for_loop(lambda x: x * 3, xs, pbar=pbar), xs * 3)
+  assert out.getvalue() == ''
+
+
+def test_a_bar_keeps_donation_and_a_ctrl_c_waits_for_the_results(monkeypatch):
+  """A progress bar's callbacks never fail a program, so ``donate_states`` still donates (the old
+  buffer is deleted, as ``jax.jit(donate_argnums=0)`` on the pure loop deletes it); a Ctrl-C in the
+  bar of a donating call is held back: the loop's results are written, then it is raised."""
+  import tqdm
+
+  w = nnx.Param(jnp.ones(3))
+  pbar, out = bar(freq=1)
+  run = bnx.jit(lambda xs: bnx.for_loop(lambda x: w.set_value(w[...] * 2 + x), xs, pbar=pbar), donate_states=True)
+  xs = jnp.arange(4.0)
+  before = w[...]
+  run(xs)
+  assert before.is_deleted()
+  oracle = jax.lax.scan(lambda c, x: (c * 2 + x, None), jnp.ones(3), xs)[0]
+  np.testing.assert_array_equal(w[...], oracle)
+  real_update = tqdm.tqdm.update
+  pressed = []
+
+  def update_then_ctrl_c(self, n=1):
+    if self.n >= 1 and not pressed:
+      pressed.append(True)
+      raise KeyboardInterrupt
+    return real_update(self, n)
+
+  monkeypatch.setattr(tqdm.tqdm, 'update', update_then_ctrl_c)
+  with pytest.warns(RuntimeWarning, match='stops when its program ends'):
+    with pytest.raises(KeyboardInterrupt, match='^$'):
+      run(xs)
+  oracle = jax.lax.scan(lambda c, x: (c * 2 + x, None), oracle, xs)[0]
+  np.testing.assert_array_equal(w[...], oracle)  # the whole loop ran and was written back
+  monkeypatch.setattr(tqdm.tqdm, 'update', real_update)
+  run(xs)  # nothing pending is left behind
+  np.testing.assert_array_equal(w[...], jax.lax.scan(lambda c, x: (c * 2 + x, None), oracle, xs)[0])

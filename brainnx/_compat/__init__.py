@@ -25,6 +25,6 @@ from brainnx._compat.flax_hooks import (
 )
 from brainnx._compat.jax_internals import (
   DEVICE_MISMATCH_ERRORS, ArrayImpl, Tracer, api_boundary, aval_manual_key, at_top_level, call_jaxpr, current_trace,
-  hide_frames_under, is_batched_here, is_device_mismatch, is_interrupted_callback, manual_axes,
+  hide_frames_under, host_callback_target, is_batched_here, is_device_mismatch, is_interrupted_callback, manual_axes,
   quiet_interrupted_callbacks, shape_dtype_struct, weakly_typed, with_debug_names,
 )

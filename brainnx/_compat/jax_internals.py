@@ -117,6 +117,25 @@ def call_jaxpr(closed, *args) -> list:
   )
 
 
+def host_callback_target(eqn):
+  """The Python function a host-callback equation (``io_callback``, ``pure_callback``,
+  ``jax.debug.callback``) calls, or ``None`` where it cannot be found. ``io_callback`` and
+  ``pure_callback`` keep it as ``callback_func`` of their flat wrapper; ``jax.debug.callback``'s
+  flat wrapper is a closure over it (jax 0.8.1 through 0.10.x)."""
+  flat = eqn.params.get('callback')
+  target = getattr(flat, 'callback_func', None)
+  if target is not None:
+    return target
+  for cell in getattr(flat, '__closure__', None) or ():
+    try:
+      value = cell.cell_contents
+    except ValueError:  # an empty cell
+      continue
+    if callable(value) and not isinstance(value, type):
+      return value
+  return None
+
+
 def with_debug_names(debug_info, arg_names: tuple, result_paths: tuple):
   """A jaxpr's ``debug_info`` with its argument and result names replaced (or None)."""
   if debug_info is None:

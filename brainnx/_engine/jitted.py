@@ -44,6 +44,7 @@ from brainnx._engine.call import check_values
 from brainnx._engine.config import Config
 from brainnx._engine.discovery import Discovery, discover
 from brainnx._engine.filters import to_filter
+from brainnx._engine.host_calls import deferring_interrupts, fails_never
 from brainnx._engine.outputs import Leaf, New
 from brainnx._engine.plan import CURRENT_PLAN, Packed, Plan, Written, complete_call
 from brainnx._engine.sentinels import MISS, NOT_GIVEN
@@ -163,30 +164,34 @@ class JittedFunction:
     layout = layout_of(disc, self._options.state_shardings)
     if layout and _compat.at_top_level():
       place(disc, layout)
-    donated = self._donated_states(disc, call)
+    donated, effects = self._donated_states(disc, call)
     compiled = self._compiled_for(disc, call, donated, layout)
+    if effects:  # a progress bar's Ctrl-C waits for the end of a donated program
+      compiled = deferring_interrupts(compiled)
     plan = Plan(disc, call, compiled, _evictor(self, key), donated, layout, self.stateful_fun)
     plan.compiled_key = (disc.signature, call.signature, donated, layout)
     self._plans.set(key, plan)
     self._warm = plan.warm
     return plan, call.dyn, disc
 
-  def _donated_states(self, disc: Discovery, call: CallArgs) -> tuple:
-    """Indices of the Variables whose buffers are donated: written ones matching ``donate_states``.
+  def _donated_states(self, disc: Discovery, call: CallArgs) -> tuple[tuple, bool]:
+    """Indices of the Variables whose buffers are donated: written ones matching ``donate_states``;
+    and whether a program that donates has (never failing) host callbacks.
 
     Which Variables a call writes is read off its trace (cached: the compiled program's own
     trace reuses it, so Python still runs once).
     """
     spec = self._options.donate_states
     if spec is None or spec is False:
-      return ()
+      return (), False
     values = read_values(disc.variables)
     trace = self.stateful_fun.trace_for(disc, call, values, call.dyn)
     if calls_host(trace.closed):  # a callback may raise mid-program: donated buffers would be lost
-      return ()
+      return (), False
     written = trace.written
     predicate = (lambda path, var: True) if spec is True else to_filter(spec)
-    return tuple(sorted(i for i in written if predicate(disc.paths[i], disc.variables[i])))
+    donated = tuple(sorted(i for i in written if predicate(disc.paths[i], disc.variables[i])))
+    return donated, bool(donated and trace.closed.effects)
 
   def _compiled_for(self, disc: Discovery, call: CallArgs, donated: tuple = (), layout: tuple = ()):
     key = (disc.signature, call.signature, donated, layout)
@@ -374,10 +379,11 @@ class Compiled(_Stage):
 
 def calls_host(jaxpr) -> bool:
   """Whether a (closed) jaxpr, or one nested in it, calls back to the host (``jax.pure_callback``,
-  ``io_callback``, ``jax.debug.callback``): such a program can fail after it consumed its inputs."""
+  ``io_callback``, ``jax.debug.callback``) with a callback that may fail: such a program can fail
+  after it consumed its inputs. brainnx's own (a progress bar's) never fail (:mod:`host_calls`)."""
   inner = getattr(jaxpr, 'jaxpr', jaxpr)
   for eqn in getattr(inner, 'eqns', ()):
-    if 'callback' in eqn.primitive.name:
+    if 'callback' in eqn.primitive.name and not fails_never(_compat.host_callback_target(eqn)):
       return True
     for param in eqn.params.values():
       for sub in param if isinstance(param, (tuple, list)) else (param,):

@@ -35,6 +35,7 @@ from brainnx import _compat
 from brainnx._engine.arguments import ArgKind, CallArgs
 from brainnx._engine.call import check_values
 from brainnx._engine.discovery import Discovery
+from brainnx._engine.host_calls import raise_pending_interrupt
 from brainnx._engine.nodes import holds_graph_node
 from brainnx._engine.sentinels import MISS
 from brainnx._engine.state import STATE_CHANGES, read_values, set_values, write_values
@@ -268,4 +269,7 @@ def finish_packed(plan: Plan, packed: Packed):
     jax.block_until_ready((packed.written, packed.new, packed.out))
   if packed.written:
     write_results(plan, packed.written)
-  return packed.trace.finish(plan.disc, packed.new, packed.out)
+  out = packed.trace.finish(plan.disc, packed.new, packed.out)
+  if packed.trace.closed.effects:
+    raise_pending_interrupt()  # a Ctrl-C a progress bar held back until the results were written
+  return out

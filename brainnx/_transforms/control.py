@@ -76,8 +76,7 @@ def cond(pred, true_fun: Callable, false_fun: Callable, *operands) -> Any:
   # any non-zero number is true, tested on the value as given, as jax.lax.cond does: a Python
   # 1e-40 is true although float32 would flush it to zero, and 2**40 needs no int32
   truth = pred if pred.dtype == jnp.bool_ else given != 0
-  index = jax.lax.convert_element_type(truth, jnp.int32)
-  return call(_switch_impl, SwitchConfig(name='cond'), (false_fun, true_fun), (index, *operands))
+  return call(_switch_impl, SwitchConfig(name='cond'), (false_fun, true_fun), (jnp.asarray(truth), *operands))
 
 
 def switch(index, branches: Sequence[Callable], *operands) -> Any:
@@ -244,6 +243,10 @@ def _switch_impl(config: SwitchConfig, branches: tuple, index, *operands):
 
     return run_branch
 
-  new_values, out_leaves = jax.lax.switch(index, [branch_fn(b) for b in bodies], start, operand_leaves)
+  fns = [branch_fn(b) for b in bodies]
+  if name == 'cond':  # index is the predicate: jax.lax.cond's program (no clamp of an index)
+    new_values, out_leaves = jax.lax.cond(index, fns[1], fns[0], start, operand_leaves)
+  else:
+    new_values, out_leaves = jax.lax.switch(index, fns, start, operand_leaves)
   bodies[0].write_back(new_values, written)
   return bodies[0].trace.out_spec.rebuild(list(out_leaves), disc)

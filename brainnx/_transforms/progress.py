@@ -26,7 +26,7 @@ import itertools
 import math
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from brainnx import _compat
+from brainnx._engine.host_calls import never_fails
 from brainnx._engine.nodes import is_int
 
 
@@ -139,7 +140,11 @@ class ProgressBar:
       if isinstance(self.desc, tuple) and values is not None:
         bar.set_description(self.desc[0].format(**{k: np.asarray(v) for k, v in values.items()}), refresh=False)
       if target > bar.n:
-        bar.update(target - bar.n)
+        try:
+          bar.update(target - bar.n)
+        except BaseException:  # a Ctrl-C inside tqdm: this run's bar is closed, not left open
+          self._bars.pop(int(run)).close()
+          raise
       if bar.n >= bar.total:
         bar.close()
         del self._bars[int(run)]
@@ -170,29 +175,38 @@ class _Runner:
   def bar(self) -> ProgressBar | None:
     return self._bar()
 
+  @functools.partial(never_fails, default=lambda: np.int32(0))  # run 0: a bar nobody draws
   def _open(self) -> np.int32:
     bar = self._bar()
     return bar._open(self.n) if bar is not None else np.int32(0)
 
+  @never_fails
   def _update(self, run, step, values) -> None:
     bar = self._bar()
     if bar is not None:
       bar._update(run, step, values)
 
+  @never_fails
+  def _update_nth(self, first: int, every: int, run, k, values) -> None:
+    self._update(run, first + int(k) * every, values)
+
   def start(self) -> jax.Array:
     """Open a bar for this execution; returns its run id (traced)."""
     return io_callback(self._open, jax.ShapeDtypeStruct((), jnp.int32), ordered=True)
 
-  def step(self, run, i, carry=None, y=None) -> None:
-    """Report that step ``i`` (0-based, unbatched) is done."""
+  def report(self, run, k, carry=None, y=None, first: int = 0, every: int = 1) -> None:
+    """Report that step ``first + k * every`` (0-based, unbatched) is done, unconditionally (the
+    host computes the step from the counter ``k``: a program needs no arithmetic for it)."""
     desc = self.desc
-    values = desc[1](dict(i=i, carry=carry, y=y)) if isinstance(desc, tuple) else None
+    values = desc[1](dict(i=first + k * every, carry=carry, y=y)) if isinstance(desc, tuple) else None
+    update = self._update if (first, every) == (0, 1) else functools.partial(self._update_nth, first, every)
+    jax.debug.callback(update, run, k, values)
+
+  def step(self, run, i, carry=None, y=None) -> None:
+    """Report that step ``i`` (0-based, unbatched) is done when it is a reporting step (every
+    ``freq`` steps and the last); the message's values are computed in that branch only."""
     due = jnp.logical_or((i + 1) % self.freq == 0, i + 1 >= self.n)
-
-    def report():
-      jax.debug.callback(self._update, run, i, values)
-
-    jax.lax.cond(due, report, lambda: None)
+    jax.lax.cond(due, lambda: self.report(run, i, carry, y), lambda: None)
 
   def step_eager(self, run, i, carry=None, y=None) -> None:
     desc = self.desc
@@ -220,11 +234,14 @@ def split_pbar(pbar: Any) -> tuple:
 
 
 def runner_for(pbar: Any, n: int) -> _Runner | None:
-  """``pbar`` (``None``, a ``ProgressBar`` or a positive int) as a runner for ``n`` steps."""
+  """``pbar`` (``None``, a ``ProgressBar`` or a positive int) as a runner for ``n`` steps; ``None``
+  (nothing compiled) for a bar that draws nothing: ``disable=True``, or a process other than 0."""
   check_pbar(pbar)
-  if pbar is None:
+  if pbar is None or jax.process_index() != 0:
     return None
   if isinstance(pbar, ProgressBar):
+    if pbar.tqdm_kwargs.get('disable') is True:
+      return None
     return pbar.init(n)
   return _Runner(_shared_bar(pbar), n, pbar)
 
@@ -235,3 +252,45 @@ _INT_BARS: dict[int, ProgressBar] = {}
 def _shared_bar(freq: int) -> ProgressBar:
   """The bar behind ``pbar=freq``: one per frequency, kept for the program that draws it."""
   return _INT_BARS.setdefault(freq, ProgressBar(freq=freq))
+
+
+def progress_scan(step: Callable, init, xs, *, length: int, reverse: bool, unroll, runner: _Runner, parts: Callable):
+  """``jax.lax.scan(step, init, xs, length, reverse, unroll)`` that moves ``runner``'s bar every
+  ``runner.freq`` steps, with no per-step cost: the loop runs as an outer loop over chunks of
+  ``freq`` steps, each an inner ``jax.lax.scan`` of exactly the plain step, followed by one host
+  callback (and the steps that do not fill a chunk as one more scan). ``parts(carry, y)`` turns a
+  chunk's final carry and last ``y`` into the ``(carry, y)`` the bar's message sees.
+  """
+  freq = runner.freq
+  chunks, rest = divmod(length, freq)
+  run_id = runner.start()
+
+  def chunk(carry, x, size: int, k, first: int):  # step first + k * freq ends the chunk
+    carry, ys = jax.lax.scan(step, carry, x, length=size, reverse=reverse, unroll=unroll)
+    runner.report(run_id, k, *parts(carry, jax.tree.map(lambda a: a[0 if reverse else -1], ys)), first, freq)
+    return carry, ys
+
+  def whole(carry, done: int):
+    def outer(carry, x):
+      carry, k = carry
+      carry, ys = chunk(carry, x, freq, k, done + freq - 1)
+      return (carry, k + 1), ys
+
+    body_xs = jax.tree.map(lambda a: a[: chunks * freq].reshape(chunks, freq, *a.shape[1:]), xs)
+    (carry, _), ys = jax.lax.scan(outer, (carry, jnp.int32(0)), body_xs, length=chunks, reverse=reverse)
+    return carry, jax.tree.map(lambda a: a.reshape(chunks * freq, *a.shape[2:]), ys)
+
+  def tail(carry, done: int):
+    return chunk(carry, jax.tree.map(lambda a: a[chunks * freq :], xs), rest, jnp.int32(0), done + rest - 1)
+
+  if not rest:
+    return whole(init, 0)
+  if not chunks:
+    return tail(init, 0)
+  if reverse:  # the last rows run first
+    carry, tail_ys = tail(init, 0)
+    carry, ys = whole(carry, rest)
+  else:
+    carry, ys = whole(init, 0)
+    carry, tail_ys = tail(carry, chunks * freq)
+  return carry, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), ys, tail_ys)

@@ -37,7 +37,7 @@ from brainnx._engine.filters import AxisRules, stacks_exempt
 from brainnx._engine.loop_body import LoopBody, all_or_nothing, dyn_leaves, in_python
 from brainnx._engine.outputs import Leaf
 from brainnx._transforms import layer_checks, scan_state
-from brainnx._transforms.progress import runner_for, split_pbar
+from brainnx._transforms.progress import progress_scan, runner_for, split_pbar
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -276,21 +276,22 @@ def run_scan(config: ScanConfig, f: Callable, bar, init, xs):
   keep = [k for k, i in enumerate(body.fixed) if i in fixed_written]  # per-step outputs of fixed ones
 
   def step(carry, x):
-    (written, leaves, counter), (x_leaves, slices) = carry, x
+    (written, leaves), (x_leaves, slices) = carry, x
     written, out, per_step, created = body.run_step(written, leaves + x_leaves, list(slices) + fixed_values)
     slices, fixed_out = per_step[: len(body.sliced)], per_step[len(body.sliced) :]
-    new_leaves, y = out[:n_carry], out[n_carry:]
-    if runner:
-      run_id, i = counter
-      runner.step(run_id, i, rebuild_part(body, out, 0), rebuild_part(body, out, 1))
-      counter = (run_id, i + 1)
-    return (written, new_leaves, counter), (y, slices, [fixed_out[k] for k in keep], created)
+    return (written, out[:n_carry]), (out[n_carry:], slices, [fixed_out[k] for k in keep], created)
 
-  counter = (runner.start(), jnp.int32(0)) if runner else None
-  (written, leaves, _), (ys, slices, fixed_out, created) = jax.lax.scan(
-    step, (body.initial_written(), dyn_leaves(init), counter), (dyn_leaves(xs), stacked),
-    length=n, reverse=config.reverse, unroll=config.unroll,
-  )
+  init_carry, step_xs = (body.initial_written(), dyn_leaves(init)), (dyn_leaves(xs), stacked)
+  if runner:
+    def parts(carry, last):
+      out = list(carry[1]) + list(last[0])
+      return rebuild_part(body, out, 0), rebuild_part(body, out, 1)
+
+    (written, leaves), (ys, slices, fixed_out, created) = progress_scan(
+      step, init_carry, step_xs, length=n, reverse=config.reverse, unroll=config.unroll, runner=runner, parts=parts)
+  else:
+    (written, leaves), (ys, slices, fixed_out, created) = jax.lax.scan(
+      step, init_carry, step_xs, length=n, reverse=config.reverse, unroll=config.unroll)
   body.write_back(written)
   sliced_written = [k for k, i in enumerate(body.sliced) if i in body.trace.written]
   body.write_back([slices[k] for k in sliced_written], [body.sliced[k] for k in sliced_written])

@@ -1,0 +1,92 @@
+"""Host callbacks that never fail a program: brainnx's own (a ``ProgressBar``'s).
+
+A program that calls back to the host can fail half-way when a callback raises, and then
+buffers it was donated are gone; so ``jit`` does not donate into programs with host
+callbacks, except those made with :func:`never_fails`. Such a callback turns an error into a
+warning. A Ctrl-C that lands in it (on CPU the program runs callbacks in the calling thread)
+stops a program that donates nothing at once, every Variable keeping its value; in a program
+that donates (run under :func:`deferring_interrupts`) it is held back: the program runs to its
+end, its results are written back, and the call then raises ``KeyboardInterrupt``. A second
+Ctrl-C while one is held back stops the program at once (its donated Variables then hold
+deleted arrays: the user asked twice).
+
+Example:
+  >>> from brainnx._engine.host_calls import never_fails
+  >>> quiet = never_fails(lambda: 1 / 0, default=None)
+  >>> import warnings
+  >>> with warnings.catch_warnings(record=True) as seen:
+  ...   warnings.simplefilter('always')
+  ...   quiet()
+  >>> 'ZeroDivisionError' in str(seen[0].message)
+  True
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+from typing import Any, Callable
+
+import jax
+
+_PENDING = threading.Event()
+_SCOPE = threading.local()
+
+
+def never_fails(fn: Callable, default: Any = None) -> Callable:
+  """``fn`` as a host callback that returns ``default`` instead of raising (see the module)."""
+
+  @functools.wraps(fn)
+  def call(*args, **kwargs):
+    try:
+      return fn(*args, **kwargs)
+    except KeyboardInterrupt:
+      if _PENDING.is_set() or not getattr(_SCOPE, 'deferring', False):
+        raise
+      _PENDING.set()
+      warnings.warn('brainnx: Ctrl-C: this call donates its Variables, so it stops when its program ends, '
+                    'with the results written back (press Ctrl-C again to stop it now)', RuntimeWarning, stacklevel=1)
+    except Exception as e:  # noqa: BLE001 - a callback's failure would abort the program
+      warnings.warn(f'brainnx: a host callback failed and was skipped: {type(e).__name__}: {e}',
+                    RuntimeWarning, stacklevel=1)
+    return default() if callable(default) else default
+
+  call.brainnx_never_fails = True
+  return call
+
+
+class deferring_interrupts:  # noqa: N801 - used as a function
+  """``compiled`` (a program that donates and calls :func:`never_fails` callbacks) run to its end
+  with a Ctrl-C held back (see the module); :func:`raise_pending_interrupt` raises it later.
+  Everything else (``lower``, ``trace``, ``__wrapped__``) is ``compiled``'s."""
+
+  def __init__(self, compiled: Callable):
+    self._compiled = compiled
+
+  def __getattr__(self, name: str):
+    return getattr(self._compiled, name)
+
+  def __call__(self, *args):
+    _SCOPE.deferring = True
+    try:
+      return jax.block_until_ready(self._compiled(*args))
+    except BaseException:
+      _PENDING.clear()
+      raise
+    finally:
+      _SCOPE.deferring = False
+
+
+def raise_pending_interrupt() -> None:
+  """Raise the ``KeyboardInterrupt`` a callback held back, once the call's results are written."""
+  if _PENDING.is_set():
+    _PENDING.clear()
+    raise KeyboardInterrupt
+
+
+def fails_never(fn) -> bool:
+  """Whether ``fn`` (a callback, maybe a ``functools.partial`` of one) was made by :func:`never_fails`."""
+  while isinstance(fn, functools.partial):
+    fn = fn.func
+  return getattr(fn, 'brainnx_never_fails', False)
