@@ -46,16 +46,21 @@ def demo_loop(steps: int, rounds: int) -> str:
     runs[progress] = demo.make_trainer(models, opts, panels, eps, progress=progress)
   models, opts = demo.build(12, 0)
   graphdef, params, opt_state, count = program_cost.split_ensemble(models, opts)
-  pure_loop = program_cost.expert_demo_loop(graphdef, opts.tx, panels, eps, steps)
   nll, adv = (jnp.asarray(r) for r in roles(panels))
-  state = [params, opt_state, count]
 
-  def pure():
-    carry, values = pure_loop(*state, x, y, nll, adv)
-    state[:] = carry
-    return values
+  def hand_written(progress: bool):
+    loop = program_cost.expert_demo_loop(graphdef, opts.tx, panels, eps, steps, progress)
+    state = list(jax.tree.map(jnp.copy, [params, opt_state, count]))
 
-  variants = {'hand-written jax.jit(lax.scan)': pure, 'brainnx (no bar)': lambda: runs[False](steps, x, y),
+    def call():
+      carry, values = loop(*state, x, y, nll, adv)
+      state[:] = carry
+      return values
+
+    return call
+
+  variants = {'hand-written jax.jit(lax.scan)': hand_written(False), 'brainnx (no bar)': lambda: runs[False](steps, x, y),
+              'hand-written, with a bar\'s 20 host calls': hand_written(True),
               'brainnx (the demo: with its bar)': lambda: runs[True](steps, x, y)}
   import contextlib
   import io
@@ -186,7 +191,10 @@ def demo_phases(steps: int) -> str:
 
   x, y, grid = phase('make_data (eager random draws)', lambda: make_data(0))
   panels = figure_panels(5)
-  models, opts = phase('build (the stacked constructor, compiled)', lambda: demo.build(12, 0))
+  lowered = phase('build: trace and lower the stacked constructor', lambda: demo._build.lower(
+    12, 0, demo.HIDDEN, demo.LEARNING_RATE, demo.BIAS_RANGE) and 0)
+  del lowered
+  models, opts = phase('build (the stacked constructor: trace, compile, run)', lambda: demo.build(12, 0))
   run = demo.make_trainer(models, opts, panels, demo.adversarial_epsilon(x))
   with contextlib.redirect_stderr(io.StringIO()):
     phase(f'first call: trace, compile and {steps} steps', lambda: run(steps, x, y))

@@ -25,6 +25,8 @@ FIRST = ('first_call.md', 'First call (trace + compile)')
 TAX = ('import_tax.md', 'flax-only workloads')
 DONATION = ('donation.md', 'Donated training step')
 CHECKPOINTED = ('checkpoint_memory.md', 'tanh RNN')
+TPU_LOOP = ('accelerator_tpu.md', "The demo's training loop")
+TPU_ENSEMBLE = ('accelerator_tpu.md', 'Ensemble adam step')
 
 LEDGER = [
   # the main job
@@ -124,6 +126,14 @@ LEDGER = [
   ('81–89 ms', *TRANSFORMER, 'flax, remat, not donated', 'trace (ms)'),
   ('71–79 ms', *TRANSFORMER, 'jax.jit, remat, not donated', 'trace (ms)'),
   ('374–389 ms', *TRANSFORMER, 'brainnx, remat, donated', 'trace (ms)'),
+  # On an accelerator
+  ('12.14 µs', *TPU_LOOP, 'brainnx (no bar)', 'µs per step'),
+  ('12.07 µs', *TPU_LOOP, 'hand-written jax.jit(lax.scan)', 'µs per step'),
+  ('18.36 µs', *TPU_LOOP, 'brainnx (the demo: with its bar)', 'µs per step'),
+  ('17.62 µs', *TPU_LOOP, "hand-written, with a bar's 20 host calls", 'µs per step'),
+  ('1.013x', *TPU_ENSEMBLE, '8 x (256-1024-256), 256', 'brainnx default'),
+  ('1.008x', *TPU_ENSEMBLE, '8 x (256-1024-256), 256', 'brainnx donate_states=True'),
+  ('1.663x', *TPU_ENSEMBLE, '8 x (256-1024-256), 256', 'nnx.jit(nnx.vmap)'),
   # Testing
   ('55 s', *DEMO, 'pytest tests/test_properties.py', 'CPU (s)'),
 ]
