@@ -234,17 +234,18 @@ def _host_calls(fn, *args) -> int:
 
 
 def test_a_disabled_bar_compiles_no_host_call(monkeypatch):
-  """``disable=True``, or any process but 0, draws nothing and compiles nothing: the program is the
-  one without a bar (no callback, no chunked loop)."""
+  """``disable=True`` draws nothing and compiles nothing in a single-process job: the program is the
+  one without a bar (no callback, no chunked loop). In a job of several processes every process
+  compiles the same program, so there the disabled bar keeps its callbacks and draws nothing."""
   xs = jnp.arange(12.0)
   plain = jax.jit(lambda xs: bnx.for_loop(lambda x: x * 2, xs)).lower(xs).compile().as_text()
   assert _host_calls(lambda xs: bnx.for_loop(lambda x: x * 2, xs, pbar=bnx.ProgressBar(freq=2)), xs) == 2
   disabled = bnx.ProgressBar(freq=2, disable=True)
   off = jax.jit(lambda xs: bnx.for_loop(lambda x: x * 2, xs, pbar=disabled)).lower(xs).compile().as_text()
   assert ' custom-call(' not in off and off.count(' while(') == plain.count(' while(')
-  monkeypatch.setattr(jax, 'process_index', lambda *a, **k: 1)
-  pbar, out = bar(freq=2)
-  assert _host_calls(lambda xs: bnx.for_loop(lambda x: x * 3, xs, pbar=pbar), xs) == 0
+  monkeypatch.setattr(jax, 'process_count', lambda *a, **k: 2)
+  pbar, out = bar(freq=2, disable=True)
+  assert _host_calls(lambda xs: bnx.for_loop(lambda x: x * 3, xs, pbar=pbar), xs) == 2
   np.testing.assert_array_equal(bnx.for_loop(lambda x: x * 3, xs, pbar=pbar), xs * 3)
   assert out.getvalue() == ''
 

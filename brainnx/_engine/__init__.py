@@ -2,6 +2,7 @@
 
 Rooms, each importing only those before it: ``sentinels``, ``config``
 (the base of every transform's config), ``weak`` (weak references),
+``host_calls`` (host callbacks that never fail a program),
 ``caches``, ``nodes`` (what a value is: graph node, plain object,
 reference, static), ``arguments`` (static, dynamic and reference
 arguments), ``filters``, ``errors``, ``guard`` (the cheap check that a

@@ -235,12 +235,14 @@ def split_pbar(pbar: Any) -> tuple:
 
 def runner_for(pbar: Any, n: int) -> _Runner | None:
   """``pbar`` (``None``, a ``ProgressBar`` or a positive int) as a runner for ``n`` steps; ``None``
-  (nothing compiled) for a bar that draws nothing: ``disable=True``, or a process other than 0."""
+  (nothing compiled) for a bar made with ``disable=True`` in a single-process job. Under
+  ``jax.distributed`` every process must compile the same program, so there a disabled bar (the
+  one of every process but 0, typically) keeps its callbacks and draws nothing."""
   check_pbar(pbar)
-  if pbar is None or jax.process_index() != 0:
+  if pbar is None:
     return None
   if isinstance(pbar, ProgressBar):
-    if pbar.tqdm_kwargs.get('disable') is True:
+    if pbar.tqdm_kwargs.get('disable') is True and jax.process_count() == 1:
       return None
     return pbar.init(n)
   return _Runner(_shared_bar(pbar), n, pbar)
