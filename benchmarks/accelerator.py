@@ -19,6 +19,8 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -73,22 +75,43 @@ def demo_loop(steps: int, rounds: int) -> str:
           '| variant | µs per step | ratio |\n|---|---|---|\n' + '\n'.join(rows))
 
 
+class Stack(nnx.Module):
+  """``Linear`` layers of the given sizes with ReLU between (``(64, 256, 256, 64)``: three layers)."""
+
+  def __init__(self, sizes, *, rngs: nnx.Rngs):
+    self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])])
+
+  def __call__(self, x):
+    for i, layer in enumerate(self.layers):
+      x = layer(x)
+      if i + 1 < len(self.layers):
+        x = jax.nn.relu(x)
+    return x
+
+
+def stacked(members: int, sizes, lr: float = 1e-3):
+  rngs = nnx.Rngs(0)
+  models = bnx.vmap(lambda: Stack(sizes, rngs=rngs), axis_size=members)()
+  return models, bnx.vmap(lambda m: nnx.Optimizer(m, optax.adam(lr), wrt=nnx.Param))(models)
+
+
 def ensemble_steps(sizes, rounds: int) -> str:
+  import _peers
+
+  columns = ['brainnx default', 'brainnx donate_states=True', 'raw jax.jit, not donated', 'nnx.jit(nnx.vmap)']
+  columns += ['equinox filter_jit(filter_vmap)'] if _peers.HAVE_EQX else []
   lines = ['### Ensemble adam step (jit of vmap over members), per call', '',
-           '| members x (in-hidden-out), batch | raw jax.jit donated (µs) | brainnx default | brainnx donate_states=True '
-           '| raw jax.jit, not donated | nnx.jit(nnx.vmap) |', '|---|---|---|---|---|---|']
-  for members, (n_in, hidden, n_out), batch in sizes:
-    x, y = jnp.ones((batch, n_in)), jnp.zeros((batch, n_out))
-    made = {}
-    for name in ('default', 'donated', 'nnx', 'raw'):
-      made[name] = program_cost.ensemble(members, (n_in, hidden, n_out))
-    step_fn = program_cost.mse
+           '| members x (layer sizes), batch | raw jax.jit donated (µs) | ' + ' | '.join(columns) + ' |',
+           '|---|---|' + '---|' * len(columns)]
+  for members, layer_sizes, batch in sizes:
+    x, y = jnp.ones((batch, layer_sizes[0])), jnp.zeros((batch, layer_sizes[-1]))
+    made = {name: stacked(members, layer_sizes) for name in ('default', 'donated', 'nnx', 'raw', 'eqx')}
 
     def stepper(donate):
       @bnx.jit(donate_states=donate or None)
       @bnx.vmap(in_axes=(0, 0, None, None))
       def step(model, opt, x, y):
-        value, grads = bnx.value_and_grad(step_fn)(model, x, y)
+        value, grads = bnx.value_and_grad(program_cost.mse)(model, x, y)
         opt.update(model, grads)
         return value
 
@@ -99,13 +122,13 @@ def ensemble_steps(sizes, rounds: int) -> str:
     @nnx.jit
     @nnx.vmap(in_axes=(0, 0, None, None))
     def nnx_step(model, opt, x, y):
-      value, grads = nnx.value_and_grad(step_fn)(model, x, y)
+      value, grads = nnx.value_and_grad(program_cost.mse)(model, x, y)
       opt.update(model, grads)
       return value
 
     models, opts = made['raw']
     graphdef, params, opt_state, count = program_cost.split_ensemble(models, opts)
-    member = program_cost.pure_adam_step(nnx.graphdef(MLP(n_in, hidden, n_out, rngs=nnx.Rngs(0))), opts.tx)
+    member = program_cost.pure_adam_step(nnx.graphdef(Stack(layer_sizes, rngs=nnx.Rngs(0))), opts.tx)
     vm = jax.vmap(member, in_axes=(0, 0, 0, None, None))
     raw_donated, raw_kept = jax.jit(vm, donate_argnums=(0, 1, 2)), jax.jit(vm)
     state = {'d': [params, opt_state, count], 'k': jax.tree.map(jnp.copy, [params, opt_state, count])}
@@ -120,16 +143,76 @@ def ensemble_steps(sizes, rounds: int) -> str:
 
     variants = {
       'raw donated': raw(raw_donated, 'd'),
-      'default': lambda: ours(*made['default'], x, y),
-      'donated': lambda: ours_donated(*made['donated'], x, y),
-      'raw': raw(raw_kept, 'k'),
-      'nnx': lambda: nnx_step(*made['nnx'], x, y),
+      'brainnx default': lambda: ours(*made['default'], x, y),
+      'brainnx donate_states=True': lambda: ours_donated(*made['donated'], x, y),
+      'raw jax.jit, not donated': raw(raw_kept, 'k'),
+      'nnx.jit(nnx.vmap)': lambda: nnx_step(*made['nnx'], x, y),
     }
+    if _peers.HAVE_EQX:
+      trainer = _peers.EqxTrainer(optax.adam(1e-3), _peers.params_of(made['eqx'][0].layers), jax.nn.relu)
+      variants['equinox filter_jit(filter_vmap)'] = lambda: trainer(x, y)
     times = interleaved({k: (lambda f=f: block(f())) for k, f in variants.items()}, rounds=rounds, calls=20)
     base = times['raw donated']
-    cells = [f'{base:.1f}'] + [f'{times[k] / base:.3f}x' for k in ('default', 'donated', 'raw', 'nnx')]
-    lines.append(f'| {members} x ({n_in}-{hidden}-{n_out}), {batch} | ' + ' | '.join(cells) + ' |')
+    cells = [f'{base:.1f}'] + [f'{times[k] / base:.3f}x' for k in columns]
+    label = '-'.join(map(str, layer_sizes))
+    lines.append(f'| {members} x ({label}), {batch} | ' + ' | '.join(cells) + ' |')
+  if not _peers.HAVE_EQX:
+    lines.append(f'\nequinox rows left out: {_peers.EQX_WHY}')
   return '\n'.join(lines)
+
+
+def bf16_peak(n: int = 8192) -> float:
+  """The chip's measured bf16 matmul rate (TFLOP/s): the best of ten ``n``-cubed products."""
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+  b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+  mm = jax.jit(lambda a, b: a @ b)
+  block(mm(a, b))
+  best = float('inf')
+  for _ in range(10):
+    start = time.perf_counter()
+    block(mm(a, b))
+    best = min(best, time.perf_counter() - start)
+  return 2 * n**3 / best / 1e12
+
+
+def transformer(cfg_kwargs: dict, rounds: int, steps_per_round: int, peak_n: int = 8192) -> str:
+  """The example transformer's adamw training step, brainnx against flax (same model, dropout off,
+  no remat, donated), at the default matmul precision: tokens/s, and model FLOP utilisation as
+  XLA's flop count of the step over its time against the measured bf16 peak."""
+  from brainnx.examples import transformer as tf
+
+  cfg = tf.Config(**cfg_kwargs)
+  data = np.random.default_rng(0).integers(0, cfg.vocab, (cfg.batch, cfg.seq + 1))
+  x, y = jnp.asarray(data[:, :-1]), jnp.asarray(data[:, 1:])
+  model, opt = tf.build(cfg, 0)
+  ours = tf.train_step(model, opt, donate=True, deterministic=True)
+  flops = float(ours.lower(x, y).compile().cost_analysis()['flops'])
+  fmodel, fopt = tf.build_flax(cfg, 0)
+  theirs = tf.flax_train_step(donate=True, deterministic=True)
+  np.testing.assert_allclose(float(ours(x, y)), float(theirs(fmodel, fopt, x, y)), rtol=2e-2)
+
+  def run(step):
+    def steps():
+      for _ in range(steps_per_round):
+        out = step()
+      return block(out)
+
+    return steps
+
+  times = interleaved({'brainnx': run(lambda: ours(x, y)), 'flax (nnx.jit)': run(lambda: theirs(fmodel, fopt, x, y))},
+                      rounds=rounds, calls=1)
+  peak = bf16_peak(peak_n)
+  tokens = cfg.batch * cfg.seq
+  rows = []
+  for name, t in times.items():
+    step_s = t / steps_per_round / 1e6
+    rows.append(f'| {name} | {step_s * 1e3:.2f} | {tokens / step_s:,.0f} | {flops / step_s / 1e12:.1f} | '
+                f'{flops / step_s / 1e12 / peak:.1%} |')
+  sizes = ', '.join(f'{k}={v}' for k, v in cfg_kwargs.items())
+  return (f'### The example transformer\'s training step ({sizes}; float32 parameters, default precision)\n\n'
+          f'XLA counts {flops / 1e9:.1f} GFLOP per step; measured bf16 peak of this chip: {peak:.1f} TFLOP/s.\n\n'
+          '| variant | ms per step | tokens/s | TFLOP/s | model FLOP utilisation |\n|---|---|---|---|---|\n'
+          + '\n'.join(rows))
 
 
 def forward_call(rounds: int) -> str:
@@ -185,15 +268,16 @@ def demo_phases(steps: int) -> str:
 
   def phase(name, fn):
     t = time.perf_counter()
-    out = block(fn())
+    out = fn()
+    out = block(out) if not hasattr(out, 'compile') else out
     rows.append(f'| {name} | {(time.perf_counter() - t) * 1e3:.0f} |')
     return out
 
   x, y, grid = phase('make_data (eager random draws)', lambda: make_data(0))
   panels = figure_panels(5)
   lowered = phase('build: trace and lower the stacked constructor', lambda: demo._build.lower(
-    12, 0, demo.HIDDEN, demo.LEARNING_RATE, demo.BIAS_RANGE) and 0)
-  del lowered
+    12, 0, demo.HIDDEN, demo.LEARNING_RATE, demo.BIAS_RANGE))
+  phase('build: compile it (XLA alone)', lambda: lowered.compile() and 0)
   models, opts = phase('build (the stacked constructor: trace, compile, run)', lambda: demo.build(12, 0))
   run = demo.make_trainer(models, opts, panels, demo.adversarial_epsilon(x))
   with contextlib.redirect_stderr(io.StringIO()):
@@ -207,21 +291,37 @@ def demo_phases(steps: int) -> str:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--quick', action='store_true', help='small sizes, few rounds, a temporary folder')
+  parser.add_argument('--out', type=Path, default=None, help='write the table into this folder (default benchmarks/results)')
   args = parser.parse_args(argv)
-  jax.config.update('jax_default_matmul_precision', 'highest')
   if args.quick:
     sizes, rounds, steps = [(4, (8, 16, 4), 8)], 3, 20
+    model = dict(layers=2, width=32, heads=2, seq=16, batch=2, dropout=0.0, remat=False)
   else:
-    sizes = [(8, (16, 64, 16), 64), (8, (256, 1024, 256), 256), (16, (512, 2048, 512), 1024)]
+    sizes = [(8, (16, 64, 16), 64), (8, (64, 256, 256, 64), 256), (8, (256, 1024, 256), 256),
+             (16, (512, 2048, 2048, 512), 1024)]
     rounds, steps = 15, 3000
+    model = dict(layers=6, width=768, heads=12, seq=256, batch=16, dropout=0.0, remat=False)
   device = jax.devices()[0]
-  parts = [f'Backend: {device.platform} ({device.device_kind}), {len(jax.devices())} device(s); '
-           'float32, matmul precision highest.', demo_phases(steps), first_call(), demo_loop(steps, rounds),
-           ensemble_steps(sizes, rounds), forward_call(rounds)]
+  head = (f'Backend: {device.platform} ({device.device_kind}), {len(jax.devices())} device(s); float32; '
+          'the MLP rows at matmul precision highest, the transformer at the default.')
+  parts = [head]
+
+  def section(make):
+    parts.append(make())
+    print(parts[-1], flush=True)  # a section at a time: a later failure loses none
+
+  with jax.default_matmul_precision('highest'):
+    section(lambda: demo_phases(steps))
+    section(first_call)
+    section(lambda: demo_loop(steps, rounds))
+    section(lambda: ensemble_steps(sizes, rounds))
+    section(lambda: forward_call(rounds))
+  jax.clear_caches()
+  section(lambda: transformer(model, rounds=max(3, rounds // 3), steps_per_round=3 if args.quick else 10,
+                              peak_n=512 if args.quick else 8192))
   body = '\n\n'.join(parts)
-  out = Path(tempfile.mkdtemp()) if args.quick else None
+  out = Path(tempfile.mkdtemp()) if args.quick else args.out
   name = f'accelerator_{device.platform}.md'
-  print(body)
   print('wrote', _results.write(name, 'accelerator.py', body, out=out))
   return 0
 
