@@ -291,6 +291,8 @@ def demo_phases(steps: int) -> str:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--quick', action='store_true', help='small sizes, few rounds, a temporary folder')
+  parser.add_argument('--only', nargs='+', default=None, metavar='SECTION',
+                      help='run only these sections (phases, first_call, demo_loop, ensemble, forward, transformer)')
   parser.add_argument('--out', type=Path, default=None, help='write the table into this folder (default benchmarks/results)')
   args = parser.parse_args(argv)
   if args.quick:
@@ -306,19 +308,21 @@ def main(argv=None) -> int:
           'the MLP rows at matmul precision highest, the transformer at the default.')
   parts = [head]
 
-  def section(make):
+  def section(make, name):
+    if args.only is not None and name not in args.only:
+      return
     parts.append(make())
     print(parts[-1], flush=True)  # a section at a time: a later failure loses none
 
   with jax.default_matmul_precision('highest'):
-    section(lambda: demo_phases(steps))
-    section(first_call)
-    section(lambda: demo_loop(steps, rounds))
-    section(lambda: ensemble_steps(sizes, rounds))
-    section(lambda: forward_call(rounds))
+    section(lambda: demo_phases(steps), 'phases')
+    section(first_call, 'first_call')
+    section(lambda: demo_loop(steps, rounds), 'demo_loop')
+    section(lambda: ensemble_steps(sizes, rounds), 'ensemble')
+    section(lambda: forward_call(rounds), 'forward')
   jax.clear_caches()
   section(lambda: transformer(model, rounds=max(3, rounds // 3), steps_per_round=3 if args.quick else 10,
-                              peak_n=512 if args.quick else 8192))
+                              peak_n=512 if args.quick else 8192), 'transformer')
   body = '\n\n'.join(parts)
   out = Path(tempfile.mkdtemp()) if args.quick else args.out
   name = f'accelerator_{device.platform}.md'

@@ -140,3 +140,69 @@ def test_donate_states_donates_only_what_the_call_writes(form):
   assert not read.is_deleted() and written.is_deleted()
   np.testing.assert_allclose(read, jnp.ones(3))
   np.testing.assert_allclose(v[...], jnp.full(3, 2.0))
+
+
+@pytest.fixture
+def donating_by_default(monkeypatch):
+  """This backend taken for an accelerator, where ``donate_states=None`` donates what a call writes."""
+  from brainnx._engine import jitted
+
+  monkeypatch.setattr(jitted, 'DONATE_BY_DEFAULT', frozenset({jax.default_backend()}))
+
+
+def _buffer(variable) -> int:
+  return variable[...].unsafe_buffer_pointer()
+
+
+def test_the_default_donates_on_an_accelerator_and_spares_an_array_a_user_holds(donating_by_default):
+  """On an accelerator a default call donates a written Variable's array, so XLA writes the result
+  in place (the buffer is reused), unless something else references the old array: a user's
+  ``old = v[...]`` still reads after the call (that call runs the program that donates nothing),
+  and the next call donates again. Values as ``jax.lax.scan`` of the pure update."""
+  w = nnx.Param(jnp.arange(3.0))
+  step = bnx.jit(lambda x: w.set_value(w[...] * 2.0 + x))
+
+  def oracle(calls):
+    return jax.lax.scan(lambda c, _: (c * 2.0 + 1.0, None), jnp.arange(3.0), None, length=calls)[0]
+
+  step(1.0)
+  step(1.0)
+  before = _buffer(w)
+  step(1.0)
+  assert _buffer(w) == before  # donated: the result lives in the old buffer
+  old = w[...]
+  step(1.0)
+  assert not old.is_deleted()
+  np.testing.assert_array_equal(old, oracle(3))
+  assert old.unsafe_buffer_pointer() != _buffer(w)
+  del old
+  before = _buffer(w)
+  step(1.0)
+  assert _buffer(w) == before
+  np.testing.assert_array_equal(w[...], oracle(5))
+
+
+def test_the_default_spares_an_array_two_variables_share(donating_by_default):
+  """An array held by two Variables is not donated by a call that writes one of them: the other
+  keeps reading it."""
+  shared = jnp.ones(3)
+  a, b = nnx.Param(shared), nnx.Param(shared)
+  del shared
+  step = bnx.jit(lambda: a.set_value(a[...] + 1.0))
+  step()
+  step()
+  np.testing.assert_array_equal(b[...], jnp.ones(3))
+  np.testing.assert_array_equal(a[...], jnp.full(3, 3.0))
+
+
+@pytest.mark.skipif(jax.default_backend() != 'cpu', reason='reads the CPU default')
+def test_the_default_donates_nothing_on_cpu():
+  """On CPU (this suite's backend) the default call donates nothing: a fresh buffer each call."""
+  w = nnx.Param(jnp.arange(3.0))
+  step = bnx.jit(lambda: w.set_value(w[...] + 1.0))
+  step()
+  pointers = []
+  for _ in range(3):
+    pointers.append(_buffer(w))
+    step()
+  assert _buffer(w) not in pointers[-1:]

@@ -78,6 +78,12 @@ class JitOptions(Config):
     return bool(self.state_shardings) or self.in_shardings is not NOT_GIVEN or self.out_shardings is not NOT_GIVEN
 
 
+#: The backends on which ``jit`` with ``donate_states=None`` donates the Variables a call writes
+#: (in the calls where nothing else references their arrays): there a step that donates nothing
+#: allocates and fills fresh buffers for everything it writes. On CPU the default donates nothing.
+DONATE_BY_DEFAULT = frozenset({'gpu', 'cuda', 'rocm', 'tpu'})
+
+
 def _raise_interrupt(error: BaseException) -> None:
   """A Ctrl-C that stopped the program inside a host callback is raised as what it is."""
   if _compat.is_interrupted_callback(error):
@@ -140,8 +146,9 @@ class JittedFunction:
     try:
       with _compat.created_variables(log=False):  # orphans of the trace go back to this level
         CURRENT_PLAN.plan = plan.me
-        run = plan.compiled.__wrapped__ if once else plan.compiled  # op by op: what jax.jit would compile
-        result = run(*plan.state(), *dyn)
+        program, state = plan.program(plan.__dict__.pop('cold_values', None))
+        run = program.__wrapped__ if once else program  # op by op: what jax.jit would compile
+        result = run(*state, *dyn)
     except BaseException:
       disc.restore(contents)  # a failed compile or run keeps no attribute the trace added
       raise
@@ -160,38 +167,48 @@ class JittedFunction:
         self._warm = plan.warm
         return plan, call.dyn, plan.disc
     disc = discover(self._roots(), args, kwargs)
-    check_values(disc, read_values(disc.variables))
+    values = read_values(disc.variables)  # what this (cold) call computes with
+    check_values(disc, values)
     layout = layout_of(disc, self._options.state_shardings)
     if layout and _compat.at_top_level():
       place(disc, layout)
-    donated, effects = self._donated_states(disc, call)
+      values = read_values(disc.variables)  # laid out
+    donated, effects, by_default = self._donated_states(disc, call)
     compiled = self._compiled_for(disc, call, donated, layout)
     if effects:  # a progress bar's Ctrl-C waits for the end of a donated program
       compiled = deferring_interrupts(compiled)
     plan = Plan(disc, call, compiled, _evictor(self, key), donated, layout, self.stateful_fun)
+    if by_default:  # for the calls where another reference holds an array to donate
+      plan.undonated = functools.partial(self._compiled_for, disc, call, (), layout)
+    plan.cold_values = values
     plan.compiled_key = (disc.signature, call.signature, donated, layout)
     self._plans.set(key, plan)
     self._warm = plan.warm
     return plan, call.dyn, disc
 
-  def _donated_states(self, disc: Discovery, call: CallArgs) -> tuple[tuple, bool]:
+  def _donated_states(self, disc: Discovery, call: CallArgs) -> tuple[tuple, bool, bool]:
     """Indices of the Variables whose buffers are donated: written ones matching ``donate_states``;
-    and whether a program that donates has (never failing) host callbacks.
+    whether a program that donates has (never failing) host callbacks; and whether it donates by
+    default (``donate_states=None`` on a backend in :data:`DONATE_BY_DEFAULT`: every written
+    Variable, in the calls where nothing else references its array, see ``Plan.program``).
 
     Which Variables a call writes is read off its trace (cached: the compiled program's own
     trace reuses it, so Python still runs once).
     """
     spec = self._options.donate_states
+    by_default = spec is None and jax.default_backend() in DONATE_BY_DEFAULT
+    if by_default:
+      spec = True
     if spec is None or spec is False:
-      return (), False
+      return (), False, False
     values = read_values(disc.variables)
     trace = self.stateful_fun.trace_for(disc, call, values, call.dyn)
     if calls_host(trace.closed):  # a callback may raise mid-program: donated buffers would be lost
-      return (), False
+      return (), False, False
     written = trace.written
     predicate = (lambda path, var: True) if spec is True else to_filter(spec)
     donated = tuple(sorted(i for i in written if predicate(disc.paths[i], disc.variables[i])))
-    return donated, bool(donated and trace.closed.effects)
+    return donated, bool(donated and trace.closed.effects), by_default and bool(donated)
 
   def _compiled_for(self, disc: Discovery, call: CallArgs, donated: tuple = (), layout: tuple = ()):
     key = (disc.signature, call.signature, donated, layout)

@@ -25,6 +25,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import sys
 import threading
 import weakref
 from typing import Any, Callable, NamedTuple
@@ -94,6 +96,7 @@ class Plan:
     self.keeps_values = not any(type(v) is _compat.DataAttribute for v in disc.variables)
     self.ran = False  # whether a call has run this plan (see JitOptions.compile_on_reuse)
     self.variables = disc.variables
+    self.undonated = None  # set for default donation: () -> the program that donates nothing
     self.warm = warm_call(self)
 
   def forget_values(self) -> None:
@@ -115,9 +118,24 @@ class Plan:
       return (values,)
     return [values[i] for i in self.donated], [values[i] for i in self.kept]
 
+  def program(self, values: list | None = None) -> tuple:
+    """``(program, state arguments)`` for this call. A plan that donates by default (``jit``'s
+    ``donate_states=None`` on an accelerator) donates only arrays nothing else references: when a
+    user's ``old = v[...]`` (or another Variable, or anything) holds one, this call runs the
+    program that donates nothing, so ``old`` still reads afterwards. ``values``: the Variables'
+    values the call read (default: read now)."""
+    if values is None:
+      values = read_values(self.variables)
+    if not self.donated:
+      return self.compiled, (values,)
+    donated = [values[i] for i in self.donated]
+    if self.undonated is not None and max(map(sys.getrefcount, donated)) > sole_reference_count():
+      return self.undonated(), (values,)
+    return self.compiled, (donated, [values[i] for i in self.kept])
+
   def full_state(self, state_args) -> list:
     """Every discovered Variable's value, in discovery order, from ``state()``'s arguments."""
-    if not self.donated:
+    if len(state_args) == 1:  # a program that donates nothing (see program())
       return state_args[0]
     full = [None] * len(self.variables)
     for indices, values in zip((self.donated, self.kept), state_args):
@@ -143,6 +161,17 @@ class Plan:
       if type(x) not in FAST_DYN and holds_graph_node(x):
         return None
     return dyn if self.disc.guard.ok() else None
+
+
+@functools.lru_cache(maxsize=1)
+def sole_reference_count() -> int:
+  """What ``sys.getrefcount`` reports, in :meth:`Plan.program`'s check, for an array that only its
+  Variable references: the Variable, the list of values read, the list of those to donate and the
+  call's own argument (measured on this interpreter with lists in the same places)."""
+  owner = [object()]
+  values = [owner[0]]
+  donated = [values[0]]
+  return max(map(sys.getrefcount, donated))
 
 
 def warm_call(plan: Plan):
@@ -198,8 +227,9 @@ def warm_call(plan: Plan):
     if dyn is None:
       return MISS
     current.plan = me
+    program, state = plan.program()
     try:
-      result = compiled(*plan.state(), *dyn)
+      result = program(*state, *dyn)
     except TypeError:
       explain_bad_values(plan)
       raise
