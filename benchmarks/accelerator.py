@@ -218,7 +218,7 @@ def transformer(cfg_kwargs: dict, rounds: int, steps_per_round: int, peak_n: int
 def forward_call(rounds: int) -> str:
   model = MLP(32, 32, 32, rngs=nnx.Rngs(0))
   x = jnp.ones((16, 32))
-  params = jax.tree.map(lambda v: v, nnx.as_pure(nnx.state(model)))
+  params = program_cost.pure_values(nnx.state(model))
   graphdef = nnx.graphdef(model)
   raw = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))
   ours = bnx.jit(lambda x: model(x))

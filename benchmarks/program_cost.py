@@ -93,9 +93,15 @@ def pure_adam_step(graphdef, tx):
   return step
 
 
+def pure_values(tree):
+  """``tree`` with every Variable replaced by its array (``nnx.as_pure``, which flax 0.12.4 lacks)."""
+  is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+  return jax.tree.map(lambda v: v.get_value() if is_variable(v) else v, tree, is_leaf=is_variable)
+
+
 def split_ensemble(models, opts):
   graphdef, params = nnx.split(models)
-  return graphdef, nnx.as_pure(params), nnx.as_pure(opts.opt_state), opts.step[...]
+  return graphdef, pure_values(params), pure_values(opts.opt_state), opts.step[...]
 
 
 # -- the programs ------------------------------------------------------------------
@@ -204,7 +210,7 @@ def scan_layers():
   def pure(state, x):
     return jax.lax.scan(lambda h, s: (nnx.merge(one, s)(h), None), x, state)[0]
 
-  return ours.lower(x).compile(), jax.jit(pure).lower(nnx.as_pure(state), x).compile()
+  return ours.lower(x).compile(), jax.jit(pure).lower(pure_values(state), x).compile()
 
 
 def grad_of_vmapped_loss():
@@ -220,7 +226,7 @@ def grad_of_vmapped_loss():
   def pure(params, x, y):
     return jax.grad(lambda p: jax.vmap(lambda x, y: mse(nnx.merge(graphdef, p), x, y))(x, y).mean())(params)
 
-  return ours.lower(x, y).compile(), jax.jit(pure).lower(nnx.as_pure(params), x, y).compile()
+  return ours.lower(x, y).compile(), jax.jit(pure).lower(pure_values(params), x, y).compile()
 
 
 def cond_and_while_in_scan():
@@ -258,7 +264,7 @@ def remat_grad():
     f = jax.checkpoint(lambda p, x: nnx.merge(graphdef, p)(jnp.tanh(nnx.merge(graphdef, p)(x))))
     return jax.grad(lambda p: jnp.sum(f(p, x) ** 2))(params)
 
-  return ours.lower(x).compile(), jax.jit(pure).lower(nnx.as_pure(params), x).compile()
+  return ours.lower(x).compile(), jax.jit(pure).lower(pure_values(params), x).compile()
 
 
 def batched_map():
@@ -270,7 +276,7 @@ def batched_map():
   def pure(params, xs):
     return jax.lax.map(lambda x: nnx.merge(graphdef, params)(x), xs, batch_size=4)
 
-  return ours.lower(xs).compile(), jax.jit(pure).lower(nnx.as_pure(params), xs).compile()
+  return ours.lower(xs).compile(), jax.jit(pure).lower(pure_values(params), xs).compile()
 
 
 def stateful_shard_map():
@@ -295,7 +301,7 @@ def stateful_shard_map():
     out, seen = jax.shard_map(f, mesh=mesh, in_specs=(P(), P(), P('x')), out_specs=(P('x'), P()))(params, seen, x)
     return seen, out
 
-  return ours.lower(x).compile(), jax.jit(pure).lower(nnx.as_pure(params), seen[...], x).compile()
+  return ours.lower(x).compile(), jax.jit(pure).lower(pure_values(params), seen[...], x).compile()
 
 
 def pmapped_forward():
@@ -307,7 +313,7 @@ def pmapped_forward():
   def pure(params, x):
     return jax.pmap(lambda p, x: nnx.merge(graphdef, p)(x), axis_name='d', in_axes=(None, 0))(params, x)
 
-  return ours.lower(x).compile(), jax.jit(pure).lower(nnx.as_pure(params), x).compile()
+  return ours.lower(x).compile(), jax.jit(pure).lower(pure_values(params), x).compile()
 
 
 PROGRAMS = [
