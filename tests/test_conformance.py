@@ -1400,3 +1400,24 @@ def test_a_variable_replaced_on_every_call_keeps_updating_and_sees_outside_write
   g(X)
   eager(X)
   np.testing.assert_allclose(ours.h[...], eager.h[...], rtol=1e-6)
+
+
+
+@pytest.mark.parametrize('name', BRANCHING)
+def test_a_weakly_typed_write_in_every_branch_keeps_the_variable_dtype(name):
+  """Every branching transform: ``v.set_value(1)`` (a weak Python int) in every branch leaves a
+  float32 Variable float32, holding 1.0, as ``jax.lax.cond`` with the Variable's value as an
+  operand returns it (the branches' outputs take the operand's type; a write is no change of
+  structure). Outside a branch a weak write is the value written, as in flax."""
+  v = nnx.Variable(jnp.zeros((), jnp.float32))
+
+  def f(x):
+    v.set_value(1)
+    return x * 2.0
+
+  branches = {'cond': lambda: bnx.cond(True, f, f, X), 'switch': lambda: bnx.switch(0, [f, f], X),
+              'ifelse': lambda: bnx.ifelse([True, False], [f, f], X)}
+  np.testing.assert_array_equal(branches[name](), X * 2.0)
+  oracle = jax.lax.cond(True, lambda a: a * 0 + 1, lambda a: a * 0 + 1, jnp.zeros((), jnp.float32))
+  assert v[...].dtype == oracle.dtype == jnp.float32, f'{name}: {v[...].dtype}'
+  np.testing.assert_array_equal(v[...], oracle)

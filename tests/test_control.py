@@ -346,3 +346,18 @@ def test_under_disable_jit_only_the_branch_taken_runs():
     with pytest.raises(RuntimeError, match='in the branch'):
       bnx.cond(True, fails, right)
     assert float(v[...]) == 2.0
+
+
+@pytest.mark.parametrize('construct', ['cond', 'switch'])
+def test_a_weakly_typed_write_in_a_branch_keeps_the_variable_dtype(construct):
+  """``v.set_value(1)`` / ``v.set_value(2)`` (weak ints) in every branch leave a float32 Variable
+  float32, holding 1.0, as ``jax.lax.cond`` with the Variable's value as an operand gives it (a
+  write is not a change of structure)."""
+  v = nnx.Variable(jnp.zeros((), jnp.float32))
+  if construct == 'cond':
+    bnx.cond(jnp.array(True), lambda: v.set_value(1), lambda: v.set_value(2))
+  else:
+    bnx.switch(jnp.array(0), [lambda: v.set_value(1), lambda: v.set_value(2)])
+  oracle = jax.lax.cond(True, lambda a: a * 0 + 1, lambda a: a * 0 + 2, jnp.zeros((), jnp.float32))
+  assert v[...].dtype == oracle.dtype == jnp.float32
+  np.testing.assert_array_equal(v[...], oracle)

@@ -283,3 +283,12 @@ def test_a_bar_keeps_donation_and_a_ctrl_c_waits_for_the_results(monkeypatch):
   monkeypatch.setattr(tqdm.tqdm, 'update', real_update)
   run(xs)  # nothing pending is left behind
   np.testing.assert_array_equal(w[...], jax.lax.scan(lambda c, x: (c * 2 + x, None), oracle, xs)[0])
+
+
+def test_a_bounded_while_loop_that_stops_early_ends_its_bar_full():
+  """A ``bounded_while_loop`` that stops after 1 of its 10 steps still ends its bar at 10/10 (the
+  rendered text), with the value ``jax.lax.while_loop`` gives."""
+  pbar, out = bar(freq=1)
+  result = bnx.bounded_while_loop(lambda c: c < 1, lambda c: c + 1, 0, max_steps=10, pbar=pbar)
+  assert int(result) == int(jax.lax.while_loop(lambda c: c < 1, lambda c: c + 1, 0))
+  assert_one_complete_bar(out, 10)

@@ -829,3 +829,19 @@ def test_a_negative_in_axis_down_to_minus_ndim_is_accepted():
   for axis in (-2, -1):
     got = bnx.vmap(lambda row: row * 2, in_axes=axis)(x)
     np.testing.assert_allclose(got, jax.vmap(lambda row: row * 2, in_axes=axis)(x))
+
+
+def test_an_unsplit_rngs_passed_as_a_mapped_argument_draws_one_key_per_element():
+  """``bnx.vmap(f)(rngs, xs)`` with a plain ``nnx.Rngs`` (not ``Rngs.split``) in a mapped
+  position: its key is split per element, its count stays unmapped and advances once. Oracle: a
+  Python loop over the elements with the documented keys, ``split(fold_in(key, count), n)[e]``
+  drawn as nnx draws (``fold_in`` with the count)."""
+  rngs = nnx.Rngs(0)
+  key = rngs.default.key[...]
+  out = bnx.vmap(lambda r, x: r.normal(()) + x)(rngs, jnp.arange(4.0))
+  keys = jax.random.split(jax.random.fold_in(key, 0), 4)
+  oracle = [float(jax.random.normal(jax.random.fold_in(k, 0), ()) + e) for e, k in enumerate(keys)]
+  np.testing.assert_allclose(out, oracle, rtol=1e-6)
+  assert len(set(np.asarray(out - jnp.arange(4.0)).tolist())) == 4
+  assert int(rngs.default.count[...]) == 1
+  assert jax.random.key_data(rngs.default.key[...]).tolist() == jax.random.key_data(key).tolist()

@@ -860,6 +860,19 @@ MUTANTS = [
          'if mesh is not None and not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):',
          'if False:',
          ('-k', 'errors_name_the_variable_and_leave', 'tests/test_sharding.py')),
+  # issue 59: three one-line bugs written outside the suite, each now with a killing test
+  Mutant('an unsplit Rngs mapped in keeps its count mapped too', 'brainnx/_transforms/vmap_axes.py',
+         '    if not matched[c]:\n      axes[c] = None\n',
+         '',
+         ('-k', 'unsplit_rngs', 'tests/test_vmap.py')),
+  Mutant('a bounded_while_loop that stops early leaves its bar short', 'brainnx/_transforms/bounded_while.py',
+         '  if runner:\n    runner.step(run_id, jnp.int32(max_steps - 1))  # an early stop fills the bar\n',
+         '',
+         ('-k', 'stops_early', 'tests/test_progress.py')),
+  Mutant('every write of the branches is taken as a restructuring', 'brainnx/_transforms/control.py',
+         '      if all(d == defs[0] for d in defs) and defs[0] != jax.tree.structure(bodies[0].values[i]):',
+         '      if True:',
+         ('-k', 'weakly_typed', 'tests/test_control.py', 'tests/test_conformance.py')),
 ]
 
 
