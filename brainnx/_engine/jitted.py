@@ -146,7 +146,8 @@ class JittedFunction:
     try:
       with _compat.created_variables(log=False):  # orphans of the trace go back to this level
         CURRENT_PLAN.plan = plan.me
-        program, state = plan.program(plan.__dict__.pop('cold_values', None))
+        values, plan.cold_values = plan.cold_values, None  # read once, by this (cold) call
+        program, state = plan.program(values)
         run = program.__wrapped__ if once else program  # op by op: what jax.jit would compile
         result = run(*state, *dyn)
     except BaseException:

@@ -97,6 +97,7 @@ class Plan:
     self.ran = False  # whether a call has run this plan (see JitOptions.compile_on_reuse)
     self.variables = disc.variables
     self.undonated = None  # set for default donation: () -> the program that donates nothing
+    self.cold_values = None  # the values the call that made the plan read (its cold call uses them)
     self.warm = warm_call(self)
 
   def forget_values(self) -> None:
