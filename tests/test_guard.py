@@ -506,3 +506,27 @@ def test_an_array_attribute_set_between_warm_calls_is_read():
   f(x), f(x)
   model.scale = jnp.full(2, 3.0)
   np.testing.assert_allclose(f(x), x * 3.0)
+
+
+def test_a_variable_attached_by_a_warm_brainnx_write_is_seen_by_another_warm_function():
+  """``F`` attaches a new Variable to ``m`` through brainnx's own warm write (an edit whose owner
+  the log does not know); ``G``, warm over ``m.h``, reads the new Variable on its next call, as
+  eager Python does."""
+
+  class M(nnx.Module):
+    def __init__(self):
+      self.h = nnx.Variable(jnp.zeros(3))
+
+  m = M()
+
+  def attach(x):
+    m.h = nnx.Variable(x)
+
+  F, G = bnx.jit(attach), bnx.jit(lambda: m.h[...] * 1)
+  x = jnp.ones(3)
+  F(x)
+  F(x)
+  G()
+  G()
+  F(x * 2.0)
+  np.testing.assert_array_equal(G(), x * 2.0)  # eager: m.h[...] * 1 after attach(x * 2.0)

@@ -873,6 +873,11 @@ MUTANTS = [
          '      if all(d == defs[0] for d in defs) and defs[0] != jax.tree.structure(bodies[0].values[i]):',
          '      if True:',
          ('-k', 'weakly_typed', 'tests/test_control.py', 'tests/test_conformance.py')),
+  # issue 55, item 6: an edit of unknown owner taken for nobody's
+  Mutant('the guard takes an edit of unknown owner for nobody\'s', 'brainnx/_engine/guard.py',
+         '      if None in owners:\n        return everything\n',
+         '',
+         ('-k', 'attached_by_a_warm', 'tests/test_guard.py')),
 ]
 
 
