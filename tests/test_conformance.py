@@ -1421,3 +1421,26 @@ def test_a_weakly_typed_write_in_every_branch_keeps_the_variable_dtype(name):
   oracle = jax.lax.cond(True, lambda a: a * 0 + 1, lambda a: a * 0 + 1, jnp.zeros((), jnp.float32))
   assert v[...].dtype == oracle.dtype == jnp.float32, f'{name}: {v[...].dtype}'
   np.testing.assert_array_equal(v[...], oracle)
+
+
+@pytest.mark.parametrize('name', RUNS)
+def test_default_donation_spares_an_array_the_user_holds(name, monkeypatch):
+  """Every transform, with ``jit``'s default donation on (as on an accelerator): an array read from
+  a Variable before calls that write it (``old = v[...]``) still reads its value after them, and
+  the Variable holds what eager Python gives (three calls: warm ones included)."""
+  from brainnx._engine import jitted
+
+  monkeypatch.setattr(jitted, 'DONATE_BY_DEFAULT', frozenset({jax.default_backend()}))
+  v = nnx.Variable(jnp.full(3, 1.0))
+
+  def f(x):
+    v.set_value(v[...] + 1.0)
+    return x * 2.0
+
+  g = make(name, f)
+  old = v[...]
+  for _ in range(3):
+    assert_matches(name, g(X), lambda x: x * 2.0, X)
+  assert not old.is_deleted()
+  np.testing.assert_array_equal(old, jnp.full(3, 1.0))
+  assert float(v[...].reshape(-1)[0]) > 1.0  # the calls wrote v

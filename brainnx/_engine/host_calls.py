@@ -85,7 +85,7 @@ def raise_pending_interrupt() -> None:
     raise KeyboardInterrupt
 
 
-def fails_never(fn) -> bool:
+def is_never_failing(fn) -> bool:
   """Whether ``fn`` (a callback, maybe a ``functools.partial`` of one) was made by :func:`never_fails`."""
   while isinstance(fn, functools.partial):
     fn = fn.func

@@ -44,7 +44,7 @@ from brainnx._engine.call import check_values
 from brainnx._engine.config import Config
 from brainnx._engine.discovery import Discovery, discover
 from brainnx._engine.filters import to_filter
-from brainnx._engine.host_calls import deferring_interrupts, fails_never
+from brainnx._engine.host_calls import deferring_interrupts, is_never_failing
 from brainnx._engine.outputs import Leaf, New
 from brainnx._engine.plan import CURRENT_PLAN, Packed, Plan, Written, complete_call
 from brainnx._engine.sentinels import MISS, NOT_GIVEN
@@ -140,13 +140,12 @@ class JittedFunction:
       return self._traced_call(args, kwargs)
 
   def _traced_call(self, args, kwargs):
-    plan, dyn, disc = self._plan_for(args, kwargs)
+    plan, dyn, disc, values = self._plan_and_values(args, kwargs)
     contents, signature = disc.snapshot(), disc.signature
     once = self._options.compile_on_reuse and not plan.ran and not self._options.sharded
     try:
       with _compat.created_variables(log=False):  # orphans of the trace go back to this level
         CURRENT_PLAN.plan = plan.me
-        values, plan.cold_values = plan.cold_values, None  # read once, by this (cold) call
         program, state = plan.program(values)
         run = program.__wrapped__ if once else program  # op by op: what jax.jit would compile
         result = run(*state, *dyn)
@@ -160,13 +159,18 @@ class JittedFunction:
     return complete_call(plan, result)
 
   def _plan_for(self, args, kwargs) -> tuple[Plan, tuple, Discovery]:
+    return self._plan_and_values(args, kwargs)[:3]
+
+  def _plan_and_values(self, args, kwargs) -> tuple[Plan, tuple, Discovery, list | None]:
+    """The plan for this call, its dynamic arguments, its discovery, and the Variables' values
+    read before a new plan traced anything (``None`` for a cached plan: read them when calling)."""
     call = CallArgs.split(args, kwargs, self._options.statics)
     key = tuple(map(id, call.refs)) + (call.signature,)
     plan = self._plans.get(key)
     if plan is not None and plan.disc.guard.ok():
       if all(r() is x for r, x in zip(plan.ref_refs, call.refs)):
         self._warm = plan.warm
-        return plan, call.dyn, plan.disc
+        return plan, call.dyn, plan.disc, None
     disc = discover(self._roots(), args, kwargs)
     values = read_values(disc.variables)  # what this (cold) call computes with
     check_values(disc, values)
@@ -181,11 +185,10 @@ class JittedFunction:
     plan = Plan(disc, call, compiled, _evictor(self, key), donated, layout, self.stateful_fun)
     if by_default:  # for the calls where another reference holds an array to donate
       plan.undonated = functools.partial(self._compiled_for, disc, call, (), layout)
-    plan.cold_values = values
     plan.compiled_key = (disc.signature, call.signature, donated, layout)
     self._plans.set(key, plan)
     self._warm = plan.warm
-    return plan, call.dyn, disc
+    return plan, call.dyn, disc, values
 
   def _donated_states(self, disc: Discovery, call: CallArgs) -> tuple[tuple, bool, bool]:
     """Indices of the Variables whose buffers are donated: written ones matching ``donate_states``;
@@ -401,7 +404,7 @@ def calls_host(jaxpr) -> bool:
   after it consumed its inputs. brainnx's own (a progress bar's) never fail (:mod:`host_calls`)."""
   inner = getattr(jaxpr, 'jaxpr', jaxpr)
   for eqn in getattr(inner, 'eqns', ()):
-    if 'callback' in eqn.primitive.name and not fails_never(_compat.host_callback_target(eqn)):
+    if 'callback' in eqn.primitive.name and not is_never_failing(_compat.host_callback_target(eqn)):
       return True
     for param in eqn.params.values():
       for sub in param if isinstance(param, (tuple, list)) else (param,):

@@ -97,7 +97,6 @@ class Plan:
     self.ran = False  # whether a call has run this plan (see JitOptions.compile_on_reuse)
     self.variables = disc.variables
     self.undonated = None  # set for default donation: () -> the program that donates nothing
-    self.cold_values = None  # the values the call that made the plan read (its cold call uses them)
     self.warm = warm_call(self)
 
   def forget_values(self) -> None:
@@ -112,9 +111,10 @@ class Plan:
     """The call with its reference arguments (alive while a call that passed them runs)."""
     return dataclasses.replace(self.call, refs=tuple(r() for r in self.ref_refs))
 
-  def state(self) -> tuple:
-    """The program's state arguments: ``(values,)``, or ``(donated values, the others)``."""
-    values = read_values(self.variables)
+  def state(self, values: list | None = None) -> tuple:
+    """``compiled``'s state arguments: ``(values,)``, or ``(donated values, the others)``."""
+    if values is None:
+      values = read_values(self.variables)
     if not self.donated:
       return (values,)
     return [values[i] for i in self.donated], [values[i] for i in self.kept]
@@ -125,14 +125,10 @@ class Plan:
     user's ``old = v[...]`` (or another Variable, or anything) holds one, this call runs the
     program that donates nothing, so ``old`` still reads afterwards. ``values``: the Variables'
     values the call read (default: read now)."""
-    if values is None:
-      values = read_values(self.variables)
-    if not self.donated:
-      return self.compiled, (values,)
-    donated = [values[i] for i in self.donated]
-    if self.undonated is not None and max(map(sys.getrefcount, donated)) > sole_reference_count():
-      return self.undonated(), (values,)
-    return self.compiled, (donated, [values[i] for i in self.kept])
+    state = self.state(values)
+    if self.undonated is not None and max(map(sys.getrefcount, state[0])) > sole_reference_count():
+      return self.undonated(), (self.full_state(state),)
+    return self.compiled, state
 
   def full_state(self, state_args) -> list:
     """Every discovered Variable's value, in discovery order, from ``state()``'s arguments."""
@@ -167,12 +163,11 @@ class Plan:
 @functools.lru_cache(maxsize=1)
 def sole_reference_count() -> int:
   """What ``sys.getrefcount`` reports, in :meth:`Plan.program`'s check, for an array that only its
-  Variable references: the Variable, the list of values read, the list of those to donate and the
-  call's own argument (measured on this interpreter with lists in the same places)."""
+  Variable references: the Variable, the list of those to donate and the call's own argument
+  (measured on this interpreter with lists in the same places)."""
   owner = [object()]
-  values = [owner[0]]
-  donated = [values[0]]
-  return max(map(sys.getrefcount, donated))
+  state = ([owner[0]],)
+  return max(map(sys.getrefcount, state[0]))
 
 
 def warm_call(plan: Plan):

@@ -244,7 +244,7 @@ def _switch_impl(config: SwitchConfig, branches: tuple, index, *operands):
     return run_branch
 
   fns = [branch_fn(b) for b in bodies]
-  if name == 'cond':  # index is the predicate: jax.lax.cond's program (no clamp of an index)
+  if index.dtype == jnp.bool_:  # cond's predicate: jax.lax.cond's program (no clamp of an index)
     new_values, out_leaves = jax.lax.cond(index, fns[1], fns[0], start, operand_leaves)
   else:
     new_values, out_leaves = jax.lax.switch(index, fns, start, operand_leaves)

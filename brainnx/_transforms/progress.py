@@ -199,8 +199,7 @@ class _Runner:
     host computes the step from the counter ``k``: a program needs no arithmetic for it)."""
     desc = self.desc
     values = desc[1](dict(i=first + k * every, carry=carry, y=y)) if isinstance(desc, tuple) else None
-    update = self._update if (first, every) == (0, 1) else functools.partial(self._update_nth, first, every)
-    jax.debug.callback(update, run, k, values)
+    jax.debug.callback(functools.partial(self._update_nth, first, every), run, k, values)
 
   def step(self, run, i, carry=None, y=None) -> None:
     """Report that step ``i`` (0-based, unbatched) is done when it is a reporting step (every
@@ -256,13 +255,16 @@ def _shared_bar(freq: int) -> ProgressBar:
   return _INT_BARS.setdefault(freq, ProgressBar(freq=freq))
 
 
-def progress_scan(step: Callable, init, xs, *, length: int, reverse: bool, unroll, runner: _Runner, parts: Callable):
-  """``jax.lax.scan(step, init, xs, length, reverse, unroll)`` that moves ``runner``'s bar every
-  ``runner.freq`` steps, with no per-step cost: the loop runs as an outer loop over chunks of
+def progress_scan(step: Callable, init, xs, *, length: int, reverse: bool, unroll, runner: _Runner | None,
+                  parts: Callable):
+  """``jax.lax.scan(step, init, xs, length, reverse, unroll)`` that moves ``runner``'s bar (if any)
+  every ``runner.freq`` steps, with no per-step cost: the loop runs as an outer loop over chunks of
   ``freq`` steps, each an inner ``jax.lax.scan`` of exactly the plain step, followed by one host
   callback (and the steps that do not fill a chunk as one more scan). ``parts(carry, y)`` turns a
   chunk's final carry and last ``y`` into the ``(carry, y)`` the bar's message sees.
   """
+  if runner is None:
+    return jax.lax.scan(step, init, xs, length=length, reverse=reverse, unroll=unroll)
   freq = runner.freq
   chunks, rest = divmod(length, freq)
   run_id = runner.start()

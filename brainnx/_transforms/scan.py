@@ -281,17 +281,13 @@ def run_scan(config: ScanConfig, f: Callable, bar, init, xs):
     slices, fixed_out = per_step[: len(body.sliced)], per_step[len(body.sliced) :]
     return (written, out[:n_carry]), (out[n_carry:], slices, [fixed_out[k] for k in keep], created)
 
-  init_carry, step_xs = (body.initial_written(), dyn_leaves(init)), (dyn_leaves(xs), stacked)
-  if runner:
-    def parts(carry, last):
-      out = list(carry[1]) + list(last[0])
-      return rebuild_part(body, out, 0), rebuild_part(body, out, 1)
+  def parts(carry, last):  # the bar's view of a chunk's end: (carry, y) as f returned them
+    out = list(carry[1]) + list(last[0])
+    return rebuild_part(body, out, 0), rebuild_part(body, out, 1)
 
-    (written, leaves), (ys, slices, fixed_out, created) = progress_scan(
-      step, init_carry, step_xs, length=n, reverse=config.reverse, unroll=config.unroll, runner=runner, parts=parts)
-  else:
-    (written, leaves), (ys, slices, fixed_out, created) = jax.lax.scan(
-      step, init_carry, step_xs, length=n, reverse=config.reverse, unroll=config.unroll)
+  (written, leaves), (ys, slices, fixed_out, created) = progress_scan(
+    step, (body.initial_written(), dyn_leaves(init)), (dyn_leaves(xs), stacked), length=n, reverse=config.reverse,
+    unroll=config.unroll, runner=runner, parts=parts)
   body.write_back(written)
   sliced_written = [k for k, i in enumerate(body.sliced) if i in body.trace.written]
   body.write_back([slices[k] for k in sliced_written], [body.sliced[k] for k in sliced_written])
