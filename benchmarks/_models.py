@@ -36,3 +36,17 @@ def pure_mlp(params: dict, x, act: Callable = jax.nn.relu):
   """The same MLP on :func:`params_dict`'s pytree."""
   h = act(x @ params['l1']['kernel'] + params['l1']['bias'])
   return h @ params['l2']['kernel'] + params['l2']['bias']
+
+
+class Layers(nnx.Module):
+  """``Linear`` layers of the given sizes with ReLU between (``(64, 256, 256, 64)``: three layers)."""
+
+  def __init__(self, sizes, *, rngs: nnx.Rngs):
+    self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])])
+
+  def __call__(self, x):
+    for i, layer in enumerate(self.layers):
+      x = layer(x)
+      if i + 1 < len(self.layers):
+        x = jax.nn.relu(x)
+    return x

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import _results
 import program_cost
-from _models import MLP
+from _models import MLP, Layers
 from _timing import block, interleaved
 
 import brainnx as bnx
@@ -75,23 +75,9 @@ def demo_loop(steps: int, rounds: int) -> str:
           '| variant | µs per step | ratio |\n|---|---|---|\n' + '\n'.join(rows))
 
 
-class Stack(nnx.Module):
-  """``Linear`` layers of the given sizes with ReLU between (``(64, 256, 256, 64)``: three layers)."""
-
-  def __init__(self, sizes, *, rngs: nnx.Rngs):
-    self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])])
-
-  def __call__(self, x):
-    for i, layer in enumerate(self.layers):
-      x = layer(x)
-      if i + 1 < len(self.layers):
-        x = jax.nn.relu(x)
-    return x
-
-
 def stacked(members: int, sizes, lr: float = 1e-3):
   rngs = nnx.Rngs(0)
-  models = bnx.vmap(lambda: Stack(sizes, rngs=rngs), axis_size=members)()
+  models = bnx.vmap(lambda: Layers(sizes, rngs=rngs), axis_size=members)()
   return models, bnx.vmap(lambda m: nnx.Optimizer(m, optax.adam(lr), wrt=nnx.Param))(models)
 
 
@@ -128,7 +114,7 @@ def ensemble_steps(sizes, rounds: int) -> str:
 
     models, opts = made['raw']
     graphdef, params, opt_state, count = program_cost.split_ensemble(models, opts)
-    member = program_cost.pure_adam_step(nnx.graphdef(Stack(layer_sizes, rngs=nnx.Rngs(0))), opts.tx)
+    member = program_cost.pure_adam_step(nnx.graphdef(Layers(layer_sizes, rngs=nnx.Rngs(0))), opts.tx)
     vm = jax.vmap(member, in_axes=(0, 0, 0, None, None))
     raw_donated, raw_kept = jax.jit(vm, donate_argnums=(0, 1, 2)), jax.jit(vm)
     state = {'d': [params, opt_state, count], 'k': jax.tree.map(jnp.copy, [params, opt_state, count])}

@@ -27,22 +27,18 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _peers  # noqa: E402
+from _models import Layers  # noqa: E402
 from _results import write  # noqa: E402
 from _timing import first_calls, interleaved, table  # noqa: E402
 
 import brainnx as bnx  # noqa: E402
 
 
-class Stack(nnx.Module):
-  def __init__(self, depth: int, rngs: nnx.Rngs, width: int = 32):
-    self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(depth)])
+class Stack(Layers):
+  """``depth`` ``Linear(width, width)`` layers with ReLU between."""
 
-  def __call__(self, x):
-    for i, layer in enumerate(self.layers):
-      x = layer(x)
-      if i + 1 < len(self.layers):
-        x = jax.nn.relu(x)
-    return x
+  def __init__(self, depth: int, rngs: nnx.Rngs, width: int = 32):
+    super().__init__([width] * (depth + 1), rngs=rngs)
 
 
 def pure(params, x):
