@@ -381,3 +381,34 @@ def test_a_negative_diffstate_argnum_keeps_its_filter():
   theirs = nnx.grad(_models_loss, argnums=nnx.DiffState(0, flt))(_two_models(), x)
   assert jax.tree.structure(ours) == jax.tree.structure(theirs)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), ours, theirs)
+
+
+# -- issue 55: a selected Variable or Module swapped out of what the function reads ----------------
+
+class _Holder:
+  pass
+
+
+def _scanned_loss(holder):
+  def loss(x):
+    body = lambda c, _: (c + jnp.sum(x) * jnp.sum(holder.model.w[...] ** 2), None)  # noqa: E731
+    return bnx.scan(body, 0.0, None, length=2)[0]
+  return loss
+
+
+@pytest.mark.parametrize('shape', ['module', 'scan over the instance'])
+def test_a_selection_the_function_stopped_reading_has_zero_gradients(shape):
+  class M(nnx.Module):
+    def __init__(self, scale):
+      self.w = nnx.Param(jnp.array([1.0, 2.0, 3.0]) * scale)
+
+  holder, x = _Holder(), jnp.array([0.5, -1.0, 2.0])
+  holder.model = M(1.0)
+  selected = holder.model if shape == 'module' else holder.model.w
+  g = bnx.grad(_scanned_loss(holder), grad_states=selected)
+  pure = lambda w: 2 * jnp.sum(x) * jnp.sum(w ** 2)  # noqa: E731 - the oracle: jax.grad on the values
+  np.testing.assert_allclose(np.asarray(jax.tree.leaves(g(x))[0]), jax.grad(pure)(holder.model.w[...]), rtol=1e-6)
+  holder.model = M(10.0)  # rebound to a model of the same structure: the selection is not read
+  assert np.all(np.asarray(jax.tree.leaves(g(x))[0]) == 0)
+  fresh = bnx.grad(_scanned_loss(holder), grad_states=holder.model if shape == 'module' else holder.model.w)
+  np.testing.assert_allclose(np.asarray(jax.tree.leaves(fresh(x))[0]), jax.grad(pure)(holder.model.w[...]), rtol=1e-6)

@@ -687,3 +687,15 @@ def test_flax_pytree_guide_list_of_arrays_replaced_per_call(form):
     f(foo) if form == 'argument' else f()
   assert [float(x) for x in want.a] == [8.0, 16.0]
   assert [float(x) for x in foo.a] == [8.0, 16.0]
+
+
+def test_a_function_writes_a_variable_on_an_object_of_an_exec_made_class():
+  namespace = {'nnx': nnx, 'jnp': jnp}
+  exec('class Counter:\n  def __init__(self):\n    self.n = nnx.Variable(jnp.zeros(()))\n', namespace)
+  counter = namespace['Counter']()  # its class says __module__ == 'builtins'
+  step = bnx.jit(lambda x: counter.n.set_value(counter.n[...] + x))
+  expected = 0.0
+  for x in (1.0, 2.0, 4.0):  # the oracle: the same additions in Python
+    step(jnp.float32(x))
+    expected += x
+    assert float(counter.n[...]) == expected

@@ -845,3 +845,51 @@ def test_an_unsplit_rngs_passed_as_a_mapped_argument_draws_one_key_per_element()
   assert len(set(np.asarray(out - jnp.arange(4.0)).tolist())) == 4
   assert int(rngs.default.count[...]) == 1
   assert jax.random.key_data(rngs.default.key[...]).tolist() == jax.random.key_data(key).tolist()
+
+
+# -- issue 55: a stacked Variable the function reaches but never reads -------------------------------
+
+MAPPERS = {
+  'vmap': lambda f, **kw: bnx.vmap(f, **kw),
+  'pmap': lambda f, **kw: bnx.pmap(f, **kw),
+}
+
+
+def _cell_with_a_stack(rows):
+  cell = {'w': nnx.Param(jnp.array([1.0, 2.0, 3.0])), 'b': nnx.Variable(jnp.ones(3))}
+
+  def init(x):
+    cell['h'] = nnx.Variable(x * 3.0)
+
+  bnx.vmap_new_states(init)(rows)
+  return cell, init
+
+
+@pytest.mark.parametrize('mapper', list(MAPPERS))
+def test_a_stack_reached_and_not_read_stays_out_of_the_mapping(mapper):
+  rows = jnp.arange(6.0).reshape(2, 3)
+  cell, _ = _cell_with_a_stack(rows)
+  out = MAPPERS[mapper](lambda x: x * cell['w'][...] + cell['b'][...])(rows)
+  oracle = jax.vmap(lambda x, w, b: x * w + b, in_axes=(0, None, None))(rows, cell['w'][...], cell['b'][...])
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(oracle))
+  assert cell['h'][...].shape == (2, 3)  # untouched
+
+
+def test_vmap_new_states_initialises_a_second_time_for_a_new_batch():
+  rows = jnp.arange(6.0).reshape(2, 3)
+  cell, init = _cell_with_a_stack(rows)
+  bnx.vmap_new_states(init)(rows + 1.0)  # reaches the old stack, writes a new one
+  np.testing.assert_array_equal(np.asarray(cell['h'][...]), np.asarray((rows + 1.0) * 3.0))
+
+
+@pytest.mark.parametrize('mapper', list(MAPPERS))
+def test_a_stack_read_whole_is_refused_with_a_filter_that_selects_only_it(mapper):
+  rows = jnp.arange(6.0).reshape(2, 3)
+  cell, _ = _cell_with_a_stack(rows)
+  f = lambda x: x * cell['w'][...] + cell['h'][...]  # noqa: E731
+  with pytest.raises(bnx.BatchAxisError, match=r"\('cell', 'h'\) is stacked .* Map it with state_in_axes=\{0: nnx.PathContains\('h'\)\}") as e:
+    MAPPERS[mapper](f)(rows)
+  hint = eval(str(e.value).split('Map it with state_in_axes=')[1].split(';')[0])  # the fix, as written
+  out = MAPPERS[mapper](f, state_in_axes=hint)(rows)
+  oracle = jax.vmap(lambda x, h: x * cell['w'][...] + h)(rows, cell['h'][...])
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(oracle))

@@ -91,9 +91,19 @@ def is_graph_node(x: Any) -> bool:
   return isinstance(x, (nnx.Variable, nnx.Pytree))
 
 
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement or type(), not written in C
+
+
+def _made_by_exec(cls: type) -> bool:
+  """Whether ``cls`` claims the ``builtins`` module without being one of its C types: a class
+  statement run by ``exec`` with globals that lack ``__name__`` (a user's tool, a notebook
+  runner) gets that module name; it is user code all the same."""
+  return cls.__module__ == 'builtins' and bool(cls.__flags__ & _HEAP_TYPE)
+
+
 @functools.lru_cache(maxsize=1024)
 def _is_plain_type(cls: type) -> bool:
-  if cls.__module__.partition('.')[0] in _LIBRARY_PACKAGES:
+  if cls.__module__.partition('.')[0] in _LIBRARY_PACKAGES and not _made_by_exec(cls):
     return False
   if issubclass(cls, (nnx.Pytree, nnx.Variable, BaseException)):
     return False

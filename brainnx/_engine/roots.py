@@ -39,6 +39,7 @@ class RootKind(enum.Enum):
   DEFAULT = 'default value'
   CLOSURE = 'closure'
   GLOBAL = 'global'
+  SELECTED = 'selected'  # a Variable a transform is given (grad's grad_states), read or not
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +120,11 @@ class RootFinder:
     if isinstance(fn, (tuple, list)):  # several functions sharing one discovery
       for f in fn:
         self.explore(f)
+    elif isinstance(fn, dict):
+      for f in fn.values():
+        self.explore(f)
+    elif isinstance(fn, nnx.Variable):  # selected by identity: a swap out of the graph must show
+      self.add('selected', RootKind.SELECTED, fn)
     elif isinstance(fn, functools.partial):
       names = _param_names(fn.func)
       for i, a in enumerate(fn.args):
@@ -140,8 +146,8 @@ class RootFinder:
       init = user_constructor(fn)
       if init is not None:
         self.explore(init)
-    elif hasattr(fn, '__wrapped__'):
-      self.explore(fn.__wrapped__)
+    elif hasattr(fn, '__wrapped__'):  # a transform object: what it runs, and what else it reads
+      self.explore(getattr(fn, '__discovery_roots__', fn.__wrapped__))
 
   def _function(self, fn: types.FunctionType) -> None:
     if hasattr(fn, '__wrapped__'):

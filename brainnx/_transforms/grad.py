@@ -191,12 +191,15 @@ class GradFunction:
     self._program = None
     functools.update_wrapper(self, fun, updated=())
     self.__wrapped__ = fun
+    # what a call reads: the function, and the selected Variables by identity (discovery sees a
+    # selected Variable swapped out of the graph the function reads, read or not)
+    self.__discovery_roots__ = (fun, config.grad_states)
 
   def __call__(self, *args, **kwargs):
     if not eager():
       return _grad_impl(self.config, (self,), *args, **kwargs)
     if self._program is None:
-      self._program = program(_grad_impl, self.config, (self,), discover_from=(self.fun, self.config.grad_states))
+      self._program = program(_grad_impl, self.config, (self,), discover_from=self.__discovery_roots__)
     return self._program(*args, **kwargs)
 
   def __get__(self, obj, objtype=None):

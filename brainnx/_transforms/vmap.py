@@ -156,6 +156,11 @@ def mapped_call(cfg: VmapConfig, args: tuple, kwargs: dict):
     return [step.values[i] for i in written], step.new_values, out_leaves
 
   with stateful.rolling_back():
+    if layout.stacks_broadcast:  # refused where read: a stack the function only reaches may stay
+      read = vmap_checks.read_inputs(lambda: jax.make_jaxpr(_vmap_of(cfg, layout, body))(state_in, dyn_in), state_in)
+      disc.restore(stateful.contents)
+      vmap_checks.check_stacked_broadcast(
+        cfg, disc, [i for i in layout.stacks_broadcast if read is None or i in read], layout.size)
     if cfg.mapper is Mapper.PMAP:
       jax.eval_shape(_vmap_of(cfg, layout, body), state_in, dyn_in)
       disc.restore(stateful.contents)

@@ -110,6 +110,7 @@ class BatchLayout:
   split_streams: list  # (key index, count index)
   dyn_axes: tuple
   size: int
+  stacks_broadcast: tuple = ()  # stacked Variables coming in whole: refused if the function reads them
 
 
 def batch_layout(cfg: VmapConfig, disc: Discovery, call: CallArgs, args: tuple, kwargs: dict) -> BatchLayout:
@@ -234,8 +235,9 @@ def batch_layout(cfg: VmapConfig, disc: Discovery, call: CallArgs, args: tuple, 
     )
   if len(distinct) > 1:
     raise ValueError(_inconsistent_sizes(cfg, sizes, distinct, sources, slot_axes[:len(args)], names, n_state))
-  vmap_checks.check_stacked_broadcast(cfg, disc, axes, matched, distinct[0], presplit)
-  return BatchLayout(axes, split, tuple(dyn_axes), distinct[0])
+  vmap_checks.check_presplit(cfg, disc, presplit)
+  stacks = vmap_checks.stacked_broadcasts(cfg, disc, axes, matched, distinct[0])
+  return BatchLayout(axes, split, tuple(dyn_axes), distinct[0], stacks)
 
 
 def _inconsistent_sizes(cfg: VmapConfig, sizes: list, distinct: list, sources: list, positional_axes: list,

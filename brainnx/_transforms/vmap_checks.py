@@ -27,7 +27,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -78,13 +78,19 @@ def _user_rules_code(rules: AxisRules) -> list | None:
   return pairs
 
 
-def stacked_hint(rules: AxisRules, offenders: Sequence[tuple[Any, Any]], what: str = 'state_in_axes') -> tuple[str, str]:
-  """``(line to map them, line to broadcast them)`` for stacked ``(Variable, Stacked)`` pairs."""
+def stacked_hint(rules: AxisRules, offenders: Sequence[tuple[Any, Any]], what: str = 'state_in_axes',
+                 selecting: str | None = None) -> tuple[str, str]:
+  """``(line to map them, line to broadcast them)`` for stacked ``(Variable, Stacked)`` pairs;
+  ``selecting``: filter code that matches them alone (default: their types)."""
   by_axis: dict = {}
   for var, record in offenders:
     by_axis.setdefault(record.axis, []).append(var)
-  new = [(axis, code(types_code(vs))) for axis, vs in by_axis.items()]
-  everything = code(types_code([v for v, _ in offenders]))
+  if selecting is not None and len(by_axis) == 1:
+    new = [(next(iter(by_axis)), code(selecting))]
+    everything = code(selecting)
+  else:
+    new = [(axis, code(types_code(vs))) for axis, vs in by_axis.items()]
+    everything = code(types_code([v for v, _ in offenders]))
   user = _user_rules_code(rules)
   if user is None:
     mapped = f'{what}={rules_code(new)} (added to your other entries)' if rules else f'{what}={rules_code(new)}'
@@ -102,19 +108,48 @@ def _reason(disc: Discovery, i: int, rules: AxisRules) -> str:
   return f'it is reached through the {root.kind.value} {root.name!r} and no state_in_axes entry maps it'
 
 
-def check_stacked_broadcast(cfg, disc: Discovery, axes: Sequence, matched: Sequence, size: int, presplit: Sequence[int]) -> None:
-  """Refuse stacked Variables broadcast into a call of their size, and pre-split streams."""
+def stacked_broadcasts(cfg, disc: Discovery, axes: Sequence, matched: Sequence, size: int) -> tuple[int, ...]:
+  """The Variables a brainnx vmap built stacked with ``size`` members that would come into a
+  mapped call of that size broadcast (no rule says so): refused if the function reads them."""
+  if stacks_exempt(cfg.fn):
+    return ()
   offenders = []
   for i, var in enumerate(disc.variables):
-    if axes[i] is not None or matched[i] or stacks_exempt(cfg.fn):
+    if axes[i] is not None or matched[i]:
       continue
     record = stacked_of(var)
     if record is not None and record.size == size:
       offenders.append(i)
+  return tuple(offenders)
+
+
+def read_inputs(trace_mapped: Callable[[], Any], state_in: Sequence) -> set[int] | None:
+  """Indices of the entries of ``state_in`` whose value the mapped function uses (its trace,
+  ``trace_mapped()``, a ``ClosedJaxpr`` over ``(state_in, dyn)``); ``None`` if tracing failed
+  (a stack read whole often has the wrong shape for the body)."""
+  try:
+    closed = trace_mapped()
+  except Exception:  # noqa: BLE001 - the refusal says what is wrong, not the shape error after it
+    return None
+  jaxpr = closed.jaxpr
+  used = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
+  read, at = set(), 0
+  for i, value in enumerate(state_in):
+    n = len(jax.tree.leaves(value))
+    if any(id(v) in used for v in jaxpr.invars[at:at + n]):
+      read.add(i)
+    at += n
+  return read
+
+
+def check_stacked_broadcast(cfg, disc: Discovery, offenders: Sequence[int], size: int) -> None:
+  """Refuse stacked Variables (``offenders``, see :func:`stacked_broadcasts`) that the function
+  reads broadcast into a call of their size."""
   if offenders:
     first = offenders[0]
     record = stacked_of(disc.variables[first])
-    mapped, broadcast = stacked_hint(cfg.state_in, [(disc.variables[i], stacked_of(disc.variables[i])) for i in offenders])
+    mapped, broadcast = stacked_hint(cfg.state_in, [(disc.variables[i], stacked_of(disc.variables[i])) for i in offenders],
+                                     selecting=_selecting(disc, offenders))
     others = [disc.describe(i) for i in offenders[1:]]
     also = f' (and {_listing(others)})' if others else ''
     root = disc.roots[disc.root_of[first]]
@@ -126,6 +161,28 @@ def check_stacked_broadcast(cfg, disc: Discovery, axes: Sequence, matched: Seque
       f'instead of its own member. Map it with {mapped}{as_arg}; or, to give every element the '
       f'whole stack on purpose, write {broadcast}'
     )
+
+
+def _selecting(disc: Discovery, offenders: Sequence[int]) -> str | None:
+  """A filter matching the ``offenders`` and no other Variable the function reaches: their
+  types when those select only them, else their names (``None`` if neither does)."""
+  chosen = set(offenders)
+  variables = [disc.variables[i] for i in offenders]
+  kinds = tuple({type(v) for v in variables})
+  if not any(isinstance(v, kinds) for k, v in enumerate(disc.variables) if k not in chosen):
+    return None  # the types alone: stacked_hint's default
+  names = sorted({disc.paths[i][-1] for i in offenders}, key=str)
+  if not all(isinstance(n, str) for n in names):
+    return None
+  named = lambda path: any(n in path for n in names)  # noqa: E731 - what nnx.PathContains matches
+  if any(named(p) for k, p in enumerate(disc.paths) if k not in chosen):
+    return None
+  contains = [f'nnx.PathContains({n!r})' for n in names]
+  return contains[0] if len(contains) == 1 else 'nnx.Any(' + ', '.join(contains) + ')'
+
+
+def check_presplit(cfg, disc: Discovery, presplit: Sequence[int]) -> None:
+  """Refuse a stream ``nnx.split_rngs`` split that comes into the mapped call broadcast."""
   for k in presplit:
     key = disc.variables[k]
     raise BatchAxisError(
