@@ -206,3 +206,38 @@ def test_the_default_donates_nothing_on_cpu():
     pointers.append(_buffer(w))
     step()
   assert _buffer(w) not in pointers[-1:]
+
+
+# -- issue 55: donate_argnums / donate_argnames on graph nodes, as nnx.jit means them -------------
+
+DONATING_ARGS = {
+  'donate_argnums': dict(donate_argnums=(0, 1)),
+  'donate_argnames': dict(donate_argnames=('model', 'opt')),
+  'a name, passed by keyword': dict(donate_argnames='opt'),
+}
+
+
+@pytest.mark.parametrize('form', list(DONATING_ARGS))
+def test_donating_graph_node_arguments_donates_what_the_call_writes_in_them(form):
+  model, opt = make()
+  by_keyword = form == 'a name, passed by keyword'
+  f = bnx.jit((lambda model, x, opt: step(model, opt, x)) if by_keyword else step, **DONATING_ARGS[form])
+  run = (lambda: f(model, X, opt=opt)) if by_keyword else (lambda: f(model, opt, X))
+  compiled = f.lower(model, X, opt=opt) if by_keyword else f.lower(model, opt, X)
+  written = nnx.state(opt) if by_keyword else nnx.state((model, opt))
+  donated = sum(x.nbytes for x in jax.tree.leaves(written))
+  assert compiled.compile().memory_analysis().alias_size_in_bytes == donated
+  old_mu = opt.opt_state[0].mu['l1']['kernel'][...]
+  for _ in range(3):
+    run()
+  assert old_mu.is_deleted()  # donated, as nnx.jit(donate_argnums=...) donates it
+  theirs, their_opt = make()  # the oracle: nnx.jit of the same step, donating the same arguments
+  their_step = nnx.jit(lambda m, o, x: o.update(m, nnx.grad(lambda m: (m(x) ** 2).mean())(m)), donate_argnums=(0, 1))
+  for _ in range(3):
+    their_step(theirs, their_opt, X)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), nnx.state(model), nnx.state(theirs))
+
+
+def test_a_donated_name_that_is_no_parameter_is_refused_by_name():
+  with pytest.raises(ValueError, match=r"jit: donate_argnames \['optimiser'\] are not parameters of the function"):
+    bnx.jit(step, donate_argnames=('model', 'optimiser'))

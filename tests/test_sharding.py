@@ -574,3 +574,34 @@ def test_the_partition_name_goes_where_out_axes_puts_the_stack_axis():
   assert ours.lin.kernel.shape == theirs.lin.kernel.shape == (8, 2, 8)
   assert ours.lin.kernel.get_metadata()['out_sharding'] == theirs.lin.kernel.get_metadata()['out_sharding'] \
     == (None, 'data', 'model')
+
+
+# -- issue 55: one member's sharding metadata inside a mapped call ---------------------------------
+
+class _Spread(nnx.Module):
+  def __init__(self, shape, names):
+    self.v = nnx.Variable(jnp.ones(shape), out_sharding=names)
+
+
+@pytest.mark.parametrize('partition', ['b', None])
+@pytest.mark.parametrize('axis', [0, 1, 2])
+def test_inside_a_mapped_call_sharding_metadata_has_the_members_rank_as_in_nnx_vmap(axis, partition):
+  names = [None, None, None]
+  names[axis], names[(axis + 1) % 3] = partition, 'a'  # the mapped axis named as transform_metadata says
+  names = tuple(names)
+  shape = tuple(4 if k == axis else 2 for k in range(3))
+  mesh = jax.make_mesh((2, 2), ('a', 'b'), axis_types=(AxisType.Auto, AxisType.Auto))
+  seen, meta = {}, {nnx.PARTITION_NAME: partition}
+  with jax.set_mesh(mesh):
+    ours, theirs = _Spread(shape, names), _Spread(shape, names)
+
+    def read(model, x, who):
+      seen[who] = model.v.get_metadata()['out_sharding']
+      return x * model.v[...].sum()
+
+    bnx.vmap(lambda x: read(ours, x, 'brainnx'), in_axes=None, axis_size=4, state_in_axes={axis: nnx.Variable},
+             transform_metadata=meta)(1.0)
+    nnx.vmap(lambda m, x: read(m, x, 'flax'), in_axes=(nnx.StateAxes({...: axis}), None), axis_size=4,
+             transform_metadata=meta)(theirs, 1.0)
+  assert seen['brainnx'] == seen['flax'] and len(seen['flax']) == 2
+  assert ours.v.get_metadata()['out_sharding'] == theirs.v.get_metadata()['out_sharding'] == names

@@ -114,9 +114,12 @@ class StaticArgs:
   argnames: tuple[str, ...] = ()
 
   @classmethod
-  def resolve(cls, fun: Callable, static_argnums=(), static_argnames=(), *, what: str = 'jit') -> 'StaticArgs':
-    nums = normalize_argnums(static_argnums, f'{what}: static_argnums')
-    names = _str_tuple(static_argnames, f'{what}: static_argnames')
+  def resolve(cls, fun: Callable, static_argnums=(), static_argnames=(), *, what: str = 'jit',
+              role: str = 'static') -> 'StaticArgs':
+    """The selection ``static_argnums`` / ``static_argnames`` make; ``role`` names them in
+    errors (``'donate'``: ``jit``'s donated arguments are selected the same way)."""
+    nums = normalize_argnums(static_argnums, f'{what}: {role}_argnums')
+    names = _str_tuple(static_argnames, f'{what}: {role}_argnames')
     if not nums and not names:
       return cls()
     try:
@@ -131,13 +134,13 @@ class StaticArgs:
     too_far = [n for n in nums if n >= len(positional)]
     if too_far and not has_varargs:
       raise ValueError(
-        f'{what}: static_argnums={nums} but the function accepts {len(positional)} positional '
+        f'{what}: {role}_argnums={nums} but the function accepts {len(positional)} positional '
         f'argument(s) ({", ".join(positional) or "none"})'
       )
     unknown = [n for n in names if n not in by_keyword]
     if unknown and not has_varkw:
       raise ValueError(
-        f'{what}: static_argnames {unknown} are not parameters of the function '
+        f'{what}: {role}_argnames {unknown} are not parameters of the function '
         f'(its parameters: {", ".join(p.name for p in params) or "none"})'
       )
     nums_all = set(nums) | {positional.index(n) for n in names if n in positional}

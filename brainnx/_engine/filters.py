@@ -195,6 +195,27 @@ def mark_stacked(variable, axis: int, size: int, partition_name=None) -> None:
     variable.set_metadata(out_sharding=type(sharding)(names))
 
 
+@contextlib.contextmanager
+def members_metadata(mapped: Sequence[tuple[Any, int, int]]):
+  """While it runs, each mapped ``(variable, axis, ndim)`` shows the sharding metadata of one
+  member: ``out_sharding`` (of the stacked value's rank ``ndim``) without the mapped axis, as
+  ``nnx.vmap``'s ``transform_metadata`` removes it. Restored on exit."""
+  changed = []
+  for variable, axis, ndim in mapped:
+    sharding = variable.get_metadata().get('out_sharding')
+    if isinstance(sharding, (tuple, list)) and len(sharding) == ndim:
+      names = list(sharding)
+      del names[axis % ndim]
+      # the live dict: flax refuses set_metadata under the trace, and this is no edit of the user's
+      _compat.metadata_of(variable)['out_sharding'] = type(sharding)(names)
+      changed.append((variable, sharding))
+  try:
+    yield
+  finally:
+    for variable, sharding in reversed(changed):
+      _compat.metadata_of(variable)['out_sharding'] = sharding
+
+
 def stacked_of(variable) -> Stacked | None:
   """The Variable's :class:`Stacked` record while its value still has that layout, else ``None``."""
   record = variable.get_metadata().get('stacked') if isinstance(variable, nnx.Variable) else None

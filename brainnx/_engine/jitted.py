@@ -47,6 +47,7 @@ from brainnx._engine.filters import to_filter
 from brainnx._engine.host_calls import deferring_interrupts, is_never_failing
 from brainnx._engine.outputs import Leaf, New
 from brainnx._engine.plan import CURRENT_PLAN, Packed, Plan, Written, complete_call
+from brainnx._engine.roots import Root, RootKind
 from brainnx._engine.sentinels import MISS, NOT_GIVEN
 from brainnx._engine.sharding import Rules, arg_specs, constrain, layout_of, new_layout, place
 from brainnx._engine.state import read_values
@@ -64,6 +65,7 @@ class JitOptions(Config):
   name: str = 'jit'
   statics: StaticArgs = StaticArgs()
   donate_argnums: tuple[int, ...] = ()
+  donate_argnames: tuple[str, ...] = ()  # with donate_argnums, as jax.jit resolves them (see StaticArgs)
   donate_states: Any = None  # a filter, or True: every written Variable
   jax_kwargs: tuple[tuple[str, Any], ...] = ()
   in_shardings: Any = NOT_GIVEN  # of the user's positional arguments, as in jax.jit
@@ -110,10 +112,11 @@ class JittedFunction:
     self._fun = fun
     self._roots = roots if roots is not None else (lambda: fun)
     self._options = options
-    self._donate_argnums = normalize_argnums(options.donate_argnums, 'donate_argnums')
-    overlap = set(self._donate_argnums) & set(options.statics.argnums)
+    self._donated_args = StaticArgs(normalize_argnums(options.donate_argnums, 'donate_argnums'), options.donate_argnames)
+    overlap = sorted(set(self._donated_args.argnums) & set(options.statics.argnums)) + sorted(
+      set(options.donate_argnames) & set(options.statics.argnames))
     if overlap:
-      raise ValueError(f'arguments {sorted(overlap)} cannot be both static and donated')
+      raise ValueError(f'arguments {overlap} cannot be both static and donated')
     # wrappers of one function share its traces and programs, as jax.jit's do
     traces, self._compiled = (_shared_caches(fun, options) if traced is None else None) or (None, LRUCache(64))
     self.stateful_fun = StatefulFunction(traced or fun, name=name or getattr(fun, '__name__', None), cache=traces)
@@ -200,18 +203,22 @@ class JittedFunction:
     trace reuses it, so Python still runs once).
     """
     spec = self._options.donate_states
-    by_default = spec is None and jax.default_backend() in DONATE_BY_DEFAULT
+    nodes = _donated_node_roots(call, self._donated_args)
+    by_default = spec is None and not nodes and jax.default_backend() in DONATE_BY_DEFAULT
     if by_default:
       spec = True
-    if spec is None or spec is False:
+    if (spec is None or spec is False) and not nodes:
       return (), False, False
     values = read_values(disc.variables)
     trace = self.stateful_fun.trace_for(disc, call, values, call.dyn)
     if calls_host(trace.closed):  # a callback may raise mid-program: donated buffers would be lost
       return (), False, False
     written = trace.written
-    predicate = (lambda path, var: True) if spec is True else to_filter(spec)
-    donated = tuple(sorted(i for i in written if predicate(disc.paths[i], disc.variables[i])))
+    chosen = None if spec is None or spec is False else (lambda path, var: True) if spec is True else to_filter(spec)
+    donated = tuple(sorted(
+      i for i in written
+      if (chosen is not None and chosen(disc.paths[i], disc.variables[i])) or disc.roots[disc.root_of[i]] in nodes
+    ))
     return donated, bool(donated and trace.closed.effects), by_default and bool(donated)
 
   def _compiled_for(self, disc: Discovery, call: CallArgs, donated: tuple = (), layout: tuple = ()):
@@ -224,7 +231,7 @@ class JittedFunction:
     shardings = self._shardings(disc, call, donated, layout) if self._options.sharded else {}
     compiled = jax.jit(
       functools.partial(_body, n_state, self._options.state_shardings),
-      donate_argnums=(0,) * bool(donated) + _donated_positions(call, self._donate_argnums, n_state),
+      donate_argnums=(0,) * bool(donated) + _donated_positions(call, self._donated_args, n_state),
       **shardings,
       **dict(self._options.jax_kwargs),
     )
@@ -414,12 +421,24 @@ def calls_host(jaxpr) -> bool:
   return False
 
 
-def _donated_positions(call: CallArgs, donate_argnums, n_state: int = 1) -> tuple[int, ...]:
+def _donated_node_roots(call: CallArgs, donated: StaticArgs) -> frozenset:
+  """The discovery roots of the graph-node arguments ``donate_argnums`` / ``donate_argnames``
+  select: their written Variables are donated, as ``donate_states`` donates (flax's meaning)."""
+  roots = set()
+  for slot, kind in enumerate(call.kinds):
+    if kind in (ArgKind.REF, ArgKind.MIXED) and donated.is_static(slot, call.n_args, call.kw_names):
+      positional = slot < call.n_args
+      name = slot if positional else call.kw_names[slot - call.n_args]
+      roots.add(Root(name, RootKind.ARG if positional else RootKind.KWARG))
+  return frozenset(roots)
+
+
+def _donated_positions(call: CallArgs, donated: StaticArgs, n_state: int = 1) -> tuple[int, ...]:
   """Positions in ``(*state, *dyn)`` of the donated dynamic arguments."""
   positions, k = [], 0
   for slot, kind in enumerate(call.kinds):
     if kind is ArgKind.DYN:
-      if slot in donate_argnums:
+      if donated.is_static(slot, call.n_args, call.kw_names):
         positions.append(n_state + k)
       k += 1
     elif kind is ArgKind.MIXED:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Sequence
 
-from brainnx._engine.arguments import StaticArgs, normalize_argnums
+from brainnx._engine.arguments import StaticArgs
 from brainnx._engine.jitted import JitOptions, JittedFunction
 from brainnx._engine.sentinels import NOT_GIVEN
 from brainnx._engine.sharding import Rules
@@ -31,6 +31,7 @@ def jit(
   static_argnums: int | Sequence[int] = (),
   static_argnames: str | Sequence[str] = (),
   donate_argnums: int | Sequence[int] = (),
+  donate_argnames: str | Sequence[str] = (),
   donate_states: Any = None,
   in_shardings: Any = NOT_GIVEN,
   out_shardings: Any = NOT_GIVEN,
@@ -81,7 +82,12 @@ def jit(
       compared by type and value and baked into the trace. Default ``()``.
     static_argnames: a name or names of such arguments. Default ``()``.
     donate_argnums: an int or ints: positions of arguments whose buffers
-      the compiled call may reuse. Default ``()``.
+      the compiled call may reuse: an array argument's own buffers, as in
+      ``jax.jit``; for a graph node (a model, an optimizer), the buffers of
+      the Variables the call writes, as ``donate_states`` donates them
+      (``nnx.jit``'s meaning). Default ``()``.
+    donate_argnames: a name or names of such arguments (as ``jax.jit``
+      resolves them against ``fun``'s signature). Default ``()``.
     donate_states: a filter, or ``True`` for every written Variable: the
       written Variables whose buffers are donated. Default ``None``: none.
     in_shardings: shardings (or PartitionSpecs) of the positional arguments
@@ -129,6 +135,7 @@ def jit(
       static_argnums=static_argnums,
       static_argnames=static_argnames,
       donate_argnums=donate_argnums,
+      donate_argnames=donate_argnames,
       donate_states=donate_states,
       in_shardings=in_shardings,
       out_shardings=out_shardings,
@@ -136,9 +143,11 @@ def jit(
       **jax_jit_kwargs,
     )
   check_callable(fun, 'jit')
+  donated = StaticArgs.resolve(fun, donate_argnums, donate_argnames, role='donate')
   options = JitOptions(
     statics=StaticArgs.resolve(fun, static_argnums, static_argnames),
-    donate_argnums=normalize_argnums(donate_argnums, 'donate_argnums'),
+    donate_argnums=donated.argnums,
+    donate_argnames=donated.argnames,
     donate_states=donate_states,
     jax_kwargs=tuple(jax_jit_kwargs.items()),
     in_shardings=in_shardings,

@@ -29,13 +29,14 @@ import weakref
 from typing import Any, Callable, Hashable
 
 import jax
+import jax.numpy as jnp
 
 from brainnx import _compat
 from brainnx._engine.call import Record, StatefulCall
 from brainnx._engine.discovery import discover
 from brainnx._engine.eager import eager, program
 from brainnx._engine.errors import check_callable
-from brainnx._engine.filters import AxisRules
+from brainnx._engine.filters import AxisRules, members_metadata
 from brainnx._engine.jitted import JitOptions
 from brainnx._engine.nodes import is_int
 from brainnx._engine.rng import advanced_count, split_per_element
@@ -128,6 +129,8 @@ def mapped_call(cfg: VmapConfig, args: tuple, kwargs: dict):
     state_in = [x if i in split else one_of_zeros([x], [a])[0] for i, (x, a) in enumerate(zip(state_in, layout.state_axes))]
     dyn_in = tuple(one_of_zeros(list(dyn_in), list(layout.dyn_axes)))
     layout = dataclasses.replace(layout, size=1)
+  mapped_vars = [(disc.variables[i], axis, max((jnp.ndim(x) for x in jax.tree.leaves(values[i])), default=0))
+                 for i, axis in enumerate(layout.state_axes) if axis is not None and i not in stream_vars]
   decisions = Record(cfg.name)  # set by the first trace of ``body``; pmap traces twice
   # jax.pmap's cache keeps ``body`` alive (in C++): it reaches the call, and through it the
   # Variables, only while the call runs
@@ -137,7 +140,8 @@ def mapped_call(cfg: VmapConfig, args: tuple, kwargs: dict):
     trace = _compat.current_trace()
     stateful = call_ref()
     disc = stateful.disc
-    step = stateful.step(states, dyn)
+    with members_metadata(mapped_vars):  # one member's sharding metadata: the mapped axis left out
+      step = stateful.step(states, dyn)
     out_spec, out_leaves = step.split_out(disc)
     written = [i for i in step.written if i not in stream_vars]
     if not decisions.is_set:  # pmap: decisions come from the abstract vmap pass
