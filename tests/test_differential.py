@@ -2,6 +2,7 @@
 profile here, the long one in ``benchmarks/differential_long.py``; then the programs the
 generator shrank to while it found defects, kept as explicit regression cases."""
 
+import dataclasses
 import os
 
 import pytest
@@ -52,6 +53,18 @@ REGRESSIONS = {
   'a pytree-valued Variable written under eval_shape is left alone': Program(
     ALL, _body("m.t.set_value({'k': m.t['k'] * 2.0, 'j': (m.t['j'][0] + 1.0, m.t['j'][1] - 1.0)})"), 'created',
     'closure', 'eval_shape', ('nnx.update',)),
+  # issue 55: the outside programs' shapes
+  'an instance in grad_states replaced by a new Param between calls': Program(
+    ALL, _body('acc = acc + m.w[...]', 'acc = jnp.tanh(acc)'), 'acc', 'closure', 'grad_states', (None, 'replace', None)),
+  'a stack beside the mapped state, reached and not read': Program(
+    dataclasses.replace(ALL, stack=True), _body('acc = acc + m.w[...]', 'm.h = nnx.Variable(acc * 0.5)'),
+    'acc', 'closure', 'vmap_new_states', (None, None)),
+  'the model read through an object of a class made by exec': Program(
+    ALL, _body('acc = acc * m.c[...] + 1.0', 'm.c[...] = m.c[...] + 1.0'), 'acc', 'exec trainer', 'jit',
+    (None, 'set_value')),
+  'a holder rebound to a model of the same structure': Program(
+    ALL, _body('acc = acc + m.w[...]', 'm.w[...] = m.w[...] * 0.9'), 'acc', 'trainer', 'jit(grad_states)',
+    (None, 'rebind', None)),
 }
 
 

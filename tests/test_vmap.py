@@ -852,6 +852,7 @@ def test_an_unsplit_rngs_passed_as_a_mapped_argument_draws_one_key_per_element()
 MAPPERS = {
   'vmap': lambda f, **kw: bnx.vmap(f, **kw),
   'pmap': lambda f, **kw: bnx.pmap(f, **kw),
+  'vmap of jit': lambda f, **kw: bnx.vmap(bnx.jit(f), **kw),  # the inner program passes every Variable it found
 }
 
 

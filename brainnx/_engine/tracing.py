@@ -158,6 +158,27 @@ def trace_call(
   return _finish_trace(closed, shapes, stateful.info.get(), disc, state_avals, only_write)
 
 
+def ignored_inputs(eqn) -> frozenset:
+  """Positions of ``eqn``'s inputs that the program it calls never uses: a brainnx ``jit``
+  called inside a trace passes every Variable it discovered, and only what it touches counts
+  as read."""
+  inner = eqn.params.get('jaxpr')
+  if not isinstance(inner, jax.extend.core.ClosedJaxpr) or len(inner.jaxpr.invars) != len(eqn.invars):
+    return frozenset()
+  used = used_vars(inner.jaxpr)
+  return frozenset(k for k, v in enumerate(inner.jaxpr.invars) if v not in used)
+
+
+def used_vars(jaxpr) -> set:
+  """The variables ``jaxpr``'s equations and outputs use (see :func:`ignored_inputs`)."""
+  used = set()
+  for eqn in jaxpr.eqns:
+    ignored = ignored_inputs(eqn)
+    used.update(a for k, a in enumerate(eqn.invars) if k not in ignored and isinstance(a, jax.extend.core.Var))
+  used.update(a for a in jaxpr.outvars if isinstance(a, jax.extend.core.Var))
+  return used
+
+
 def _finish_trace(closed, shapes, step: StepInfo, disc, state_avals, only_write) -> Trace:
   jaxpr = closed.jaxpr
   leaf_counts = [len(jax.tree.leaves(x)) for x in state_avals]

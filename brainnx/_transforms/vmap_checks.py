@@ -38,6 +38,7 @@ from brainnx import _compat
 from brainnx._engine.discovery import Discovery
 from brainnx._engine.roots import RootKind
 from brainnx._engine.errors import BatchAxisError
+from brainnx._engine.tracing import used_vars
 from brainnx._engine.outputs import Leaf, New, is_output_leaf
 from brainnx._engine.filters import (
   AxisRules, code, filter_code, mark_stacked, rules_code, stacked_of, stacks_exempt, types_code,
@@ -132,11 +133,11 @@ def read_inputs(trace_mapped: Callable[[], Any], state_in: Sequence) -> set[int]
   except Exception:  # noqa: BLE001 - the refusal says what is wrong, not the shape error after it
     return None
   jaxpr = closed.jaxpr
-  used = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
+  used = used_vars(jaxpr)
   read, at = set(), 0
   for i, value in enumerate(state_in):
     n = len(jax.tree.leaves(value))
-    if any(id(v) in used for v in jaxpr.invars[at:at + n]):
+    if any(v in used for v in jaxpr.invars[at:at + n]):
       read.add(i)
     at += n
   return read
