@@ -402,6 +402,33 @@ def test_a_variable_on_an_object_of_an_exec_made_class_is_state(name):
   assert_matches(name, g(X), lambda x: x * 3.0, X)
 
 
+class _SharedW(nnx.Module):
+  def __init__(self):
+    self.w = nnx.Param(jnp.array([1.0, 2.0, 3.0]))
+    self.alias = self.w  # one Variable at two attributes
+
+
+@pytest.mark.parametrize(('name', 'binds'), [(n, 'a known Variable') for n in RUNS if n not in BRANCHING] + [
+  (n, 'a new Variable') for n in ('jit', 'vmap', 'vmap_new_states', 'pmap', 'map', 'scan', 'for_loop')])  # those creating
+def test_a_call_rebinding_an_attribute_that_held_a_shared_variable(name, binds):
+  # the generator's find: a warm call took the rebinding for a one-for-one replacement and read
+  # the shared Variable's other place (m.alias) through the new one
+  m = _SharedW()
+
+  def f(x):
+    acc = x - m.alias[...]
+    m.held = m.w if binds == 'a known Variable' else nnx.Param(m.w[...] * 1.0)
+    return acc + m.held[...]
+
+  g = make(name, f)
+  g(X)
+  m.w = nnx.Param(jnp.array([10.0, 20.0, 30.0]))  # m.alias keeps the first; m.held still shares it
+  for _ in range(3):  # the first call after the edit is cold, the next ones warm
+    out = g(X)
+    assert m.alias[...].tolist() == [1.0, 2.0, 3.0]
+  assert_matches(name, out, lambda x: x - jnp.array([1.0, 2.0, 3.0]) + jnp.array([10.0, 20.0, 30.0]), X)
+
+
 @pytest.mark.parametrize('name', CACHED)
 def test_one_trace_after_disable_jit(name):
   count = [0]

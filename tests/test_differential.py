@@ -65,6 +65,9 @@ REGRESSIONS = {
   'a holder rebound to a model of the same structure': Program(
     ALL, _body('acc = acc + m.w[...]', 'm.w[...] = m.w[...] * 0.9'), 'acc', 'trainer', 'jit(grad_states)',
     (None, 'rebind', None)),
+  'an attribute that shared a Variable rebound to the new one, warm': Program(
+    ALL, _body('acc = acc - m.alias[...]', 'm.held = m.w\nacc = acc + m.held[...]'), 'acc', 'method', 'jit(fori_loop)',
+    ('replace', None, None)),
 }
 
 

@@ -64,6 +64,7 @@ class Discovery:
   container_paths: tuple = ()  # per container: the path it was reached at
   plain_objects: tuple = ()  # (signature position, attribute dict, its keys, its mask) per plain object
   names: tuple = ()  # the captured names the code loads: ('cell', cell, name) or ('global', namespace, name)
+  shared: frozenset = frozenset()  # indices of the Variables reached at more than one place
 
   def __post_init__(self):
     self._index = {id(v): i for i, v in enumerate(self.variables)}
@@ -153,7 +154,10 @@ class Discovery:
     """Take in ``(index, new Variable)`` pairs a call put where known Variables of the same type
     and metadata were (``self.h = nnx.Intermediate(x)`` on every call), so the next call finds
     its plan instead of discovering the graph again; anything else that changed leaves the
-    guard to see it."""
+    guard to see it: a Variable known already (``self.held = self.w``), or one put where a shared
+    Variable was (its other places still hold the old one)."""
+    if any(i in self.shared or id(new) in self._index for i, new in replaced):
+      return
     try:
       if any(type(new) is not type(self.variables[i]) or
              _compat.metadata_of(new) != _compat.metadata_of(self.variables[i]) for i, new in replaced):
@@ -277,6 +281,7 @@ class _Walker:
     self.nodes = []
     self.streams = []
     self.aliases = []  # (index, path, root): a Variable reached again from another root
+    self.shared: set[int] = set()  # indices of Variables reached more than once, from any root
     self.containers = []  # guarded: they hold graph nodes
     self.counted = []  # per guarded container: a flax Pytree's attributes (edits counted)
     self.watched = []  # every mutable container met
@@ -343,6 +348,7 @@ class _Walker:
       i = self._var_ids[id(var)]
       if i >= 0 and root != self.root_of[i]:
         self.aliases.append((i, path, root))
+      self.shared.add(i)
       return True
     if var.hijax or var.ref:
       raise TypeError(
@@ -485,6 +491,7 @@ def discover(roots: Any, args: tuple, kwargs: dict) -> Discovery:
     containers=tuple(walker.watched),
     streams=tuple(walker.streams),
     aliases=tuple(walker.aliases),
+    shared=frozenset(walker.shared),
     guard=Guard([c[:2] for c in finder.cells], finder.globals, walker.containers, walker.masks, walker.counted,
                 walker.metadata, walker.owners, walker.stateless),
     signature=(tuple(walker.signature), tuple(finder.captured)),

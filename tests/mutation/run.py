@@ -899,6 +899,11 @@ MUTANTS = [
          '    if kind in (ArgKind.REF, ArgKind.MIXED) and donated.is_static(slot, call.n_args, call.kw_names):',
          '    if False:',
          ('-k', 'graph_node_arguments', 'tests/test_donation.py')),
+  # the generator's find: a rebinding of a shared Variable's attribute taken for a replacement
+  Mutant('a rebinding is followed as a one-for-one replacement', 'brainnx/_engine/discovery.py',
+         '    if any(i in self.shared or id(new) in self._index for i, new in replaced):\n      return\n',
+         '',
+         ('-k', 'rebinding_an_attribute', 'tests/test_conformance.py')),
 ]
 
 
