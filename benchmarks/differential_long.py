@@ -31,7 +31,7 @@ if '--xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', '
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # the oracles are exact on CPU
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'tests'))
-from _results import publish
+from _results import commit, publish
 
 SCRIPT = 'differential_long.py'
 
@@ -94,6 +94,7 @@ def main() -> None:
   parser.add_argument('--no-write', action='store_true', help='print the table only')
   parser.add_argument('--json', help='also write the counts and failures of this run here')
   parser.add_argument('--minutes', type=float, help='stop drawing after this long (each process ends its round)')
+  parser.add_argument('--commit', help="the code's commit, where git cannot tell it (a copy of the tree)")
   parser.add_argument('--merge', nargs='+', help='write one table from the --json files of several runs')
   args = parser.parse_args()
   if args.merge:
@@ -120,7 +121,7 @@ def _run(args) -> dict:
     failures.extend(f)
   return {'counts': dict(counts), 'failures': failures, 'minutes': (time.perf_counter() - start) / 60,
           'processes': args.processes, 'seeds': [args.seed, args.seed + args.processes - 1],
-          'machine': f'{platform.machine()}, {os.cpu_count()} cores'}
+          'machine': f'{platform.machine()}, {os.cpu_count()} cores', 'commit': args.commit or commit()}
 
 
 def _publish(runs: list, dry_run: bool) -> list:
@@ -132,7 +133,7 @@ def _publish(runs: list, dry_run: bool) -> list:
   rows = [f'| {t} | {counts[t]} | {by_transform[t]} |' for t in sorted(counts)]
   described = '; '.join(
     f"{sum(r['counts'].values())} by {r['processes']} processes (seeds {r['seeds'][0]}..{r['seeds'][1]}) in "
-    f"{r['minutes']:.1f} minutes on {r['machine']}" for r in runs)
+    f"{r['minutes']:.1f} minutes on {r['machine']} at commit {r.get('commit', 'unknown')}" for r in runs)
   body = (
     '### Generated programs against their oracles\n\n'
     f'{sum(counts.values())} programs over {len(counts)} transforms and nests, on CPU: {described}. '
