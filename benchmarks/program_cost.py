@@ -141,7 +141,7 @@ def expert_demo_loop(graphdef, tx, panels, eps: float, steps: int, progress: boo
       return jax.lax.scan(one, (p, o, c), None, length=steps)
     # the expert's bar: chunks of steps // 20 steps, one host call after each with the means
     freq = steps // 20
-    start = io_callback(lambda: np.int32(1), jax.ShapeDtypeStruct((), jnp.int32), ordered=True)
+    start = io_callback(lambda: np.int32(1), jax.ShapeDtypeStruct((), jnp.int32), ordered=False)
 
     def chunk(carry, _):
       carry, k = carry

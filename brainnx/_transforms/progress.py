@@ -1,6 +1,7 @@
 """``ProgressBar``: a tqdm bar driven from inside compiled loops.
 
-Each execution of a loop opens its own bar through an ordered host callback
+Each execution of a loop opens its own bar through a host callback (unordered: XLA before jax
+0.9 refuses an ordered one in a program sharded over several devices)
 that returns a run id; every ``freq`` steps a debug callback moves that
 run's bar to ``step + 1``. Updates only move forward, so steps that JAX
 re-runs (``jax.checkpoint`` recomputation in a backward pass) or repeats
@@ -192,7 +193,7 @@ class _Runner:
 
   def start(self) -> jax.Array:
     """Open a bar for this execution; returns its run id (traced)."""
-    return io_callback(self._open, jax.ShapeDtypeStruct((), jnp.int32), ordered=True)
+    return io_callback(self._open, jax.ShapeDtypeStruct((), jnp.int32), ordered=False)
 
   def report(self, run, k, carry=None, y=None, first: int = 0, every: int = 1) -> None:
     """Report that step ``first + k * every`` (0-based, unbatched) is done, unconditionally (the
