@@ -4,11 +4,14 @@ versions and which statistic produced it (read by benchmarks/check_readme.py).""
 from __future__ import annotations
 
 import datetime
+import os
 import re
 import subprocess
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / 'results'
+# BRAINNX_RESULTS_DIR sends every table elsewhere (the suite runs each script's quick mode into
+# a temporary folder, so no committed table changes)
+RESULTS = Path(os.environ.get('BRAINNX_RESULTS_DIR') or Path(__file__).parent / 'results')
 # one statistic for every timing: the median over rounds in which the variants take turns;
 # run_all.py repeats each script in fresh processes, and ranges quoted in the README are the
 # min-max of those medians over runs

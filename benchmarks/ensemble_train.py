@@ -2,8 +2,9 @@
 
 Run: ``python benchmarks/ensemble_train.py`` (prints markdown tables).
 
-The step of the main job (``brainnx.demo``): its MLP 1 -> H -> H -> 1
-(tanh), 8 members, its training points shared by all, optax.adam(1e-3),
+The step of the main job (``brainnx.demo``): its network's body, 1 -> H (relu) -> 2 (the
+shared ``_models.MLP``; the demo's variance head is left out so every peer runs the same
+arithmetic), 8 members, its training points shared by all, optax.adam(1e-3),
 one optimizer per member. Two sizes: the demo's (H=64, 128 points) and a
 small one (H=16, 32 points) where per-call overhead, not arithmetic, sets the
 step time. Variants, interleaved:
@@ -28,10 +29,11 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _peers  # noqa: E402
+from _models import MLP  # noqa: E402
 from _timing import first_calls, interleaved, table  # noqa: E402
 
 import brainnx as bnx  # noqa: E402
-from brainnx.examples.ensemble import MLP, make_data  # noqa: E402
+from brainnx.examples.ensemble import make_data  # noqa: E402
 
 MEMBERS = 8
 TX = optax.adam(1e-3)
@@ -45,7 +47,7 @@ def data(points):
 
 def make_members(hidden, members=MEMBERS, seed=0):
   rngs = nnx.Rngs(seed)
-  ens = bnx.vmap(lambda: MLP(hidden, rngs=rngs), axis_size=members)()
+  ens = bnx.vmap(lambda: MLP(1, hidden, 2, rngs=rngs), axis_size=members)()
   opt = bnx.vmap(lambda m: nnx.Optimizer(m, TX, wrt=nnx.Param))(ens)
   return ens, opt
 
@@ -54,10 +56,12 @@ def loss_fn(model, x, y):
   return ((model(x) - y) ** 2).mean()
 
 
+LAYERS = ('l1', 'l2')
+
+
 def pure_forward(p, x):
-  h = jnp.tanh(x @ p['l1']['kernel'] + p['l1']['bias'])
-  h = jnp.tanh(h @ p['l2']['kernel'] + p['l2']['bias'])
-  return h @ p['l3']['kernel'] + p['l3']['bias']
+  h = jax.nn.relu(x @ p['l1']['kernel'] + p['l1']['bias'])
+  return h @ p['l2']['kernel'] + p['l2']['bias']
 
 
 def pure_step(params, opt_state, x, y):
@@ -69,12 +73,12 @@ def pure_step(params, opt_state, x, y):
 def member_arrays(hidden, members=MEMBERS, seed=0):
   """The stacked ``(kernel, bias)`` arrays of the members every variant starts from."""
   ens, _ = make_members(hidden, members, seed)
-  return [(getattr(ens, n).kernel[...], getattr(ens, n).bias[...]) for n in ('l1', 'l2', 'l3')]
+  return [(getattr(ens, n).kernel[...], getattr(ens, n).bias[...]) for n in LAYERS]
 
 
 def raw_setup(hidden, members=MEMBERS, seed=0):
   pairs = member_arrays(hidden, members, seed)
-  params = {n: {'kernel': k, 'bias': b} for n, (k, b) in zip(('l1', 'l2', 'l3'), pairs)}
+  params = {n: {'kernel': k, 'bias': b} for n, (k, b) in zip(LAYERS, pairs)}
   opt_state = jax.vmap(TX.init)(params)
   return params, opt_state
 
@@ -137,10 +141,10 @@ def trainers(hidden, members=MEMBERS, seed=0):
     return lambda x, y: f(ens, opt, x, y)
 
   def equinox():
-    return _peers.EqxTrainer(TX, member_arrays(hidden, members, seed), jnp.tanh)
+    return _peers.EqxTrainer(TX, member_arrays(hidden, members, seed), jax.nn.relu)
 
   def brainstate():
-    return _peers.bst_ensemble_step(TX, _peers.bst_model(member_arrays(hidden, members, seed), jnp.tanh), members)
+    return _peers.bst_ensemble_step(TX, _peers.bst_model(member_arrays(hidden, members, seed), jax.nn.relu), members)
 
   found = {RAW: raw, BNX: brainnx, NNX: flax_nnx}
   if _peers.HAVE_EQX:

@@ -22,24 +22,31 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _results import ranges, write  # noqa: E402
 
-# script -> (arguments, arguments for --quick, writes its own table)
+# script -> (arguments, arguments for --quick, writes its own table). Every script of this folder
+# is here: tests/test_benchmark_scripts.py runs each with its quick arguments (into a temporary
+# folder, BRAINNX_RESULTS_DIR) and fails on a script missing from this table.
 SCRIPTS = {
-  'donation': ([], ['--rounds', '3'], True),
-  'mapping': ([], ['--rounds', '5', '--calls', '50'], True),
-  'overhead': ([], ['--rounds', '5', '--calls', '100'], True),
-  'object_graph': ([], ['--rounds', '3', '--calls', '40'], True),
-  'demo_resources': ([], [], True),
-  'layers': ([], ['--depths', '48', '--trials', '1', '--rounds', '3'], False),
-  'checkpoint_memory': ([], ['--length', '200', '--repeats', '1'], True),
-  'ensemble_train': ([], ['--rounds', '5', '--calls', '20'], False),
+  'donation': ([], ['--rounds', '2', '--width', '256'], True),
+  'mapping': ([], ['--rounds', '2', '--calls', '5'], True),
+  'overhead': ([], ['--rounds', '2', '--calls', '5', '--deep', '8'], True),
+  'object_graph': ([], ['--rounds', '2', '--calls', '5'], True),
+  'demo_resources': ([], ['--long-steps', '200'], True),
+  'layers': ([], ['--depths', '4', '--width', '16', '--trials', '1', '--rounds', '2', '--calls', '3'], False),
+  'checkpoint_memory': ([], ['--length', '50', '--repeats', '1'], True),
+  'ensemble_train': ([], ['--rounds', '2', '--calls', '3', '--sizes', 'small'], False),
   'sharded_ensemble': ([], ['--quick'], True),
   'scaling': ([], ['--quick'], True),
   'transformer': (['--rounds', '5', '--steps-per-round', '3'], ['--quick'], False),
-  'brainstate_loops': ([], ['--rounds', '2'], True),
-  'figure1_seeds': ([], ['--seeds', '3'], True),
+  'brainstate_loops': ([], ['--rounds', '1'], True),
+  'figure1_seeds': ([], ['--seeds', '1'], True),
   'many_variables': ([], ['--quick'], True),
-  'first_call': ([], ['--rounds', '1', '--trials', '1', '--depths', '20'], True),
+  'first_call': ([], ['--rounds', '1', '--trials', '1', '--depths', '5'], True),
   'frames': ([], [], True),
+  'import_tax': ([], ['--rounds', '1', '--reps', '2'], True),
+  'memory': ([], ['--closures', '20', '--calls', '200'], False),
+  'program_cost': ([], ['--quick'], True),
+  'accelerator': ([], ['--quick', '--only', 'forward'], True),
+  'differential_long': ([], ['--programs', '4', '--processes', '1'], True),
 }
 
 

@@ -52,7 +52,7 @@ WIDTH, BATCH = 8, 4
 DEPTHS = [2, 10, 50, 100, 200, 500]
 MEMBERS = [8, 64, 512]
 QUICK_DEPTHS, QUICK_MEMBERS = [2, 10, 50], [8, 64]
-RESULTS = Path(__file__).parent / 'results'
+from _results import RESULTS  # noqa: E402
 
 RAW = 'raw jax.jit'
 FORWARD = [RAW, 'brainnx.jit (closure)', 'brainnx.jit (arg)', 'nnx.jit', 'eqx.filter_jit', 'brainstate jit']

@@ -7,7 +7,7 @@ smoke run). On CPU the script makes 4 host devices
 imported unless ``XLA_FLAGS`` is already set); on an accelerator it uses the
 devices it finds and skips the device counts it does not have.
 
-The step: the demo's MLP 1 -> 64 -> 64 -> 1 (tanh, ``brainnx.examples.ensemble.MLP``), its
+The step: the demo network's body 1 -> 64 (relu) -> 2 (the shared ``_models.MLP``), its
 128 training points (``make_data``) shared by all members, optax.adam(1e-3),
 one optimizer per member, the members stacked on axis 0 and laid out over a
 1-D mesh ``'ens'`` of the first N devices (``P('ens')``: 64 / N members per
@@ -55,7 +55,6 @@ from pathlib import Path
 
 import flax
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -63,22 +62,23 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _models import MLP  # noqa: E402
 from _timing import best_of, block
 
 import brainnx as bnx
-from brainnx.examples.ensemble import MLP, make_data
+from brainnx.examples.ensemble import make_data
 
 MEMBERS, HIDDEN, POINTS = 64, 64, 128
 DEVICE_COUNTS = (1, 4)
 TX = optax.adam(1e-3)
 CHECK_STEPS = 3
-RESULTS = Path(__file__).parent / 'results'
+from _results import RESULTS  # noqa: E402
 
 RAW = 'raw jax.jit(jax.vmap)'
 BNX = 'brainnx jit(vmap) + state_shardings'
 BNX_DONATE = 'brainnx, + donate_states=True'
 NNX = 'nnx.jit(nnx.vmap) + device_put'
-LAYERS = ('l1', 'l2', 'l3')
+LAYERS = ('l1', 'l2')
 
 
 # -- models and steps -----------------------------------------------------------------
@@ -87,7 +87,7 @@ LAYERS = ('l1', 'l2', 'l3')
 def build(seed=0):
   """The stacked ensemble (``bnx.vmap`` over the constructor) and one adam ``nnx.Optimizer`` per member."""
   rngs = nnx.Rngs(seed)
-  ensemble = bnx.vmap(lambda: MLP(HIDDEN, rngs=rngs), axis_size=MEMBERS)()
+  ensemble = bnx.vmap(lambda: MLP(1, HIDDEN, 2, rngs=rngs), axis_size=MEMBERS)()
   optimizers = bnx.vmap(lambda m: nnx.Optimizer(m, TX, wrt=nnx.Param))(ensemble)
   return ensemble, optimizers
 
@@ -97,9 +97,8 @@ def loss_fn(model, x, y):
 
 
 def pure_forward(p, x):
-  h = jnp.tanh(x @ p['l1']['kernel'] + p['l1']['bias'])
-  h = jnp.tanh(h @ p['l2']['kernel'] + p['l2']['bias'])
-  return h @ p['l3']['kernel'] + p['l3']['bias']
+  h = jax.nn.relu(x @ p['l1']['kernel'] + p['l1']['bias'])
+  return h @ p['l2']['kernel'] + p['l2']['bias']
 
 
 def pure_step(params, opt_state, x, y):
@@ -319,7 +318,7 @@ def main(argv=None) -> None:
         f'{name} {t:.0f} us ({t / got[RAW]:.2f}x)' for name, t in got.items()), flush=True)
 
   note = (
-    f'The demo MLP 1 -> {HIDDEN} -> {HIDDEN} -> 1 (tanh), {POINTS} training points shared, optax.adam(1e-3), '
+    f'The demo network body 1 -> {HIDDEN} (relu) -> 2, {POINTS} training points shared, optax.adam(1e-3), '
     f'one optimizer per member; the members split over a 1-D mesh `ens` of the first N devices (`P("ens")`, '
     f'{" / ".join(str(MEMBERS // n) for n in counts)} members per device). All variants checked equal '
     f'(parameters, losses, layout) before timing. Per-step time, µs, calls back to back, `block_until_ready` '
