@@ -151,3 +151,48 @@ def test_scanning_over_a_python_list_says_what_was_passed():
   assert 'each step gets a list of 3 rows' in error.value.__notes__[0] and 'jnp.stack(xs)' in error.value.__notes__[0]
   carry, _ = bnx.scan(add, jnp.zeros(2), jnp.stack(rows))
   np.testing.assert_allclose(carry, sum(rows))
+
+
+# -- issue 57: messages that name the argument and the fix -----------------------------------------
+
+@pytest.mark.parametrize('loop', ['scan', 'for_loop'])
+def test_a_python_list_of_scalars_is_named_with_the_fix_by_every_loop(loop):
+  run = {'scan': lambda: bnx.scan(lambda c, x: (c + x, None), 0.0, [1.0, 2.0]),
+         'for_loop': lambda: bnx.for_loop(lambda x: x * 2.0, [1.0, 2.0])}[loop]
+  with pytest.raises(ValueError, match=rf'{loop} got xs as a Python list of 2 scalars.*jnp.asarray\(xs\)'):
+    run()
+
+
+@pytest.mark.parametrize('loop', ['scan', 'for_loop'])
+def test_a_body_calling_an_array_method_on_a_list_of_rows_gets_the_stack_hint(loop):
+  xs = [jnp.ones(3), jnp.ones(3)]
+  run = {'scan': lambda: bnx.scan(lambda c, x: (c + x.sum(), None), 0.0, xs),
+         'for_loop': lambda: bnx.for_loop(lambda x: x.sum(), xs)}[loop]
+  with pytest.raises(AttributeError, match="'list' object has no attribute 'sum'") as e:
+    run()
+  assert any('stack them: jnp.stack(xs)' in note for note in e.value.__notes__)
+
+
+def test_grad_of_a_module_names_grad_and_the_loss_to_write():
+  model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match=r'^grad: Gradient only defined for scalar-output functions.*Linear Module itself'
+                     r'.*bnx.grad\(lambda x: loss\(model\(x\)\), grad_states=model\)'):
+    bnx.grad(model)(jnp.ones(3))
+  with pytest.raises(TypeError, match=r'^value_and_grad: .*Return a scalar'):
+    bnx.value_and_grad(lambda x: x * 2.0)(jnp.ones(3))
+
+
+def test_a_module_given_as_the_scan_body_is_explained_with_the_wrap_to_write():
+  model = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError) as e:
+    bnx.scan(model, jnp.zeros(3), jnp.ones((2, 3)))
+  note = next(n for n in e.value.__notes__ if n.startswith('brainnx:'))
+  assert 'model(carry, x)' in note and 'bnx.scan(lambda carry, x: (model(carry), None), init, xs)' in note
+  # the wrap it names runs, and equals a Python loop over the steps (the oracle)
+  out, _ = bnx.scan(lambda carry, x: (model(carry), None), jnp.zeros(3), jnp.ones((2, 3)))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(model(model(jnp.zeros(3)))), rtol=1e-6)
+
+
+def test_a_loop_body_taking_too_few_arguments_is_refused_before_tracing():
+  with pytest.raises(TypeError, match=r'scan calls its function as f\(carry, x\), 2 positional argument\(s\)'):
+    bnx.scan(lambda c: (c, None), 0.0, jnp.ones(2))

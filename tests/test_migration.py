@@ -16,7 +16,8 @@ from helpers import SideBySidePage, assert_same_values, values_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGE = (ROOT / 'docs' / 'migration.md').read_text()
-ROWS = ['vmap-stateaxes', 'split-rngs', 'scan-carry', 'scan-layers', 'broadcast-stream', 'cached-partial', 'grad-diffstate']
+ROWS = ['vmap-stateaxes', 'split-rngs', 'scan-carry', 'scan-layers', 'broadcast-stream', 'cached-partial', 'donate',
+        'grad-diffstate']
 BLOCKS = SideBySidePage(ROOT / 'docs' / 'migration.md', ('flax', 'brainnx'))
 _run = BLOCKS.run
 
@@ -103,6 +104,13 @@ def test_cached_partial():
   flax, ours = _run('cached-partial', 'flax'), _run('cached-partial', 'brainnx')
   np.testing.assert_allclose(ours['losses'], flax['losses'], rtol=1e-5)
   np.testing.assert_allclose(ours['model'].kernel[...], flax['model'].kernel[...], rtol=1e-5)
+
+
+def test_donated_steps():
+  flax, ours = _run('donate', 'flax'), _run('donate', 'brainnx')
+  np.testing.assert_allclose(ours['losses'], flax['losses'], rtol=1e-5)
+  np.testing.assert_allclose(ours['model'].kernel[...], flax['model'].kernel[...], rtol=1e-5)
+  assert ours['old_kernel'].is_deleted() and flax['old_kernel'].is_deleted()
 
 
 def test_grad_with_diff_state():

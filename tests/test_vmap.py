@@ -151,7 +151,7 @@ def test_in_out_axis_conflict():
 
 def test_a_bool_is_no_size_or_axis():
   """True is an int to Python, never a batch size here (jax.vmap refuses it as an axis too)."""
-  with pytest.raises(ValueError, match='axis_size must be a non-negative int, got axis_size=True'):
+  with pytest.raises(TypeError, match=r'axis_size must be an int, got axis_size=True \(bool\)'):
     bnx.vmap(lambda: jnp.ones(2), axis_size=True)()
   with pytest.raises(TypeError, match='in_axes must be an int, None or a tuple, got True'):
     bnx.vmap(lambda x: x, in_axes=True)(X)
@@ -686,7 +686,7 @@ def test_axis_size_zero_builds_an_empty_ensemble_like_nnx_split_rngs_and_vmap():
 
 @pytest.mark.parametrize('size', [-1, -5])
 def test_negative_axis_size_is_a_value_error_naming_axis_size(size):
-  with pytest.raises(ValueError, match=f'vmap: axis_size must be a non-negative int, got axis_size={size}'):
+  with pytest.raises(ValueError, match=f'vmap: axis_size must be non-negative, got axis_size={size}'):
     bnx.vmap(lambda: 1.0, axis_size=size)
 
 
@@ -894,3 +894,8 @@ def test_a_stack_read_whole_is_refused_with_a_filter_that_selects_only_it(mapper
   out = MAPPERS[mapper](f, state_in_axes=hint)(rows)
   oracle = jax.vmap(lambda x, h: x * cell['w'][...] + h)(rows, cell['h'][...])
   np.testing.assert_array_equal(np.asarray(out), np.asarray(oracle))
+
+
+def test_an_axis_size_of_another_type_is_a_type_error_naming_it():
+  with pytest.raises(TypeError, match=r"vmap: axis_size must be an int, got axis_size='4' \(str\)"):
+    bnx.vmap(lambda: 1.0, axis_size='4')

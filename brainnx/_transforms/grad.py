@@ -23,6 +23,7 @@ import functools
 from typing import Any, Callable, Sequence
 
 import jax
+from flax import nnx
 
 from brainnx._engine.arguments import ArgKind, CallArgs, check_argnums, resolve_argnums
 from brainnx._engine.call import StatefulCall
@@ -157,7 +158,12 @@ def _grad_call(config: GradConfig, fun: Callable, args: tuple, kwargs: dict):
   pure, target_vals, arg_vals, stateful, pack = _pure_call(config, fun, args, kwargs, argnums, by_arg)
   with stateful.rolling_back():
     differentiated = config.transform(pure, argnums=(0, 1), has_aux=True)
-    derivs, (value, out_leaves, written_vals) = differentiated(target_vals, arg_vals)
+    try:
+      derivs, (value, out_leaves, written_vals) = differentiated(target_vals, arg_vals)
+    except TypeError as e:
+      if 'scalar-output' not in str(e):
+        raise
+      raise TypeError(_not_a_scalar(config.name, fun, e)) from None
     stateful.write_back(written_vals)
     aux = aux_of(stateful, out_leaves, config.has_aux)
   out_def = jax.tree.structure(value)
@@ -166,6 +172,18 @@ def _grad_call(config: GradConfig, fun: Callable, args: tuple, kwargs: dict):
     state_grads, by_arg = pack(g_states, g_args)
     per_leaf.append(_selected(config.grad_states, argnums, config.argnums_is_int, state_grads, by_arg))
   return value, aux, jax.tree.unflatten(out_def, per_leaf)
+
+
+def _not_a_scalar(name: str, fun, error: TypeError) -> str:
+  """``name``'s message for a function whose value is not a scalar (JAX's words, then the fix)."""
+  said = str(error).split('\n')[0]
+  if isinstance(fun, nnx.Module):
+    return (
+      f'{name}: {said} The function is the {type(fun).__name__} Module itself, so {name} differentiates '
+      f'its output with respect to its argument. To differentiate a loss with respect to the model\'s '
+      f'Params, pass a function returning a scalar: bnx.{name}(lambda x: loss(model(x)), grad_states=model)'
+    )
+  return f'{name}: {said} Return a scalar (a loss: .sum() or .mean() of the output), or use jacrev/jacfwd'
 
 
 def _grad_impl(config: GradConfig, roots: tuple, *args, **kwargs):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any, Callable
 
 import jax
@@ -65,11 +66,27 @@ class ScanConfig(Config):
     return AxisRules(dict(self.state_in_axes) if self.state_in_axes is not None else None, 'state_in_axes', self.name)
 
 
-def check_loop_callable(f, name: str) -> None:
-  """A loop's function is callable (``jax.lax.scan``'s words) and no generator."""
+def check_loop_callable(f, name: str, n_args: int | None = None, called: str = 'f(carry, x)') -> None:
+  """A loop's function is callable (``jax.lax.scan``'s words), no generator, and (``n_args``
+  given) takes that many positional arguments, as the loop calls it (``called``)."""
   if not callable(f):
     raise TypeError(f'{name}: f argument should be a callable, got {type(f).__name__}')
   check_callable(f, name)
+  if n_args is None:
+    return
+  try:
+    signature = inspect.signature(f)
+  except (TypeError, ValueError):  # no signature to check against
+    return
+  try:
+    signature.bind(*([None] * n_args))
+  except TypeError:
+    what = f'the {type(f).__name__} Module' if isinstance(f, nnx.Module) else getattr(f, '__name__', type(f).__name__)
+    raise TypeError(
+      f'{name} calls its function as {called}, {n_args} positional argument(s), but {what} takes '
+      f'{signature}. To run a model at every step, wrap it: '
+      + ('lambda carry, x: (model(carry), None)' if called == 'f(carry, x)' else 'lambda *x: model(*x)')
+    ) from None
 
 
 def leading_length(xs, length, name: str) -> int:
@@ -78,12 +95,13 @@ def leading_length(xs, length, name: str) -> int:
   for leaf in dyn_leaves(xs):
     shape = jnp.shape(leaf)
     if not shape:
-      if isinstance(xs, list) and xs and all(not jnp.shape(x) for x in dyn_leaves(xs)):
-        raise ValueError(
-          f'{name} got xs as a Python list of {len(xs)} scalars: it scans over the leading axis of arrays, '
-          'and a list is a pytree whose every item is one input with no axis. Scan over an array of '
-          'them: jnp.asarray(xs)'
-        )
+      for items in _python_lists(xs):
+        if items and all(not jnp.shape(x) for x in dyn_leaves(items)):
+          raise ValueError(
+            f'{name} got xs as a Python list of {len(items)} scalars: it scans over the leading axis of arrays, '
+            'and a list is a pytree whose every item is one input with no axis. Scan over an array of '
+            'them: jnp.asarray(xs)'
+          )
       raise ValueError(
         f'{name} got a scalar ({type(leaf).__name__}, shape ()), a value with no leading axis to scan over: '
         'give each input a leading axis of one row per step'
@@ -104,10 +122,22 @@ def leading_length(xs, length, name: str) -> int:
   return lengths[0]
 
 
+def _python_lists(xs) -> list:
+  """The Python lists ``xs`` is or holds as its items (``for_loop``'s positional arguments)."""
+  if isinstance(xs, list):
+    return [xs]
+  return [x for x in xs if isinstance(x, list)] if isinstance(xs, tuple) else []
+
+
 def note_list_of_arrays(error: BaseException, xs) -> None:
-  """A body that failed on ``xs`` given as a Python list of same-shaped arrays: each step got a
-  list of rows (one of each array), which is rarely what was meant."""
-  if not isinstance(error, TypeError) or not isinstance(xs, (list, tuple)) or len(xs) < 2:
+  """A body that failed (a TypeError, or an AttributeError such as ``x.sum()`` on a list) on
+  ``xs`` given as a Python list of same-shaped arrays: each step got a list of rows (one of each
+  array), which is rarely what was meant."""
+  if not isinstance(error, (TypeError, AttributeError)):
+    return
+  if isinstance(xs, tuple) and len(xs) == 1 and isinstance(xs[0], (list, tuple)):
+    xs = xs[0]  # for_loop's one positional argument
+  if not isinstance(xs, (list, tuple)) or len(xs) < 2:
     return
   if all(hasattr(x, 'shape') for x in xs) and len({jnp.shape(x) for x in xs}) == 1:
     error.add_note(
@@ -115,6 +145,19 @@ def note_list_of_arrays(error: BaseException, xs) -> None:
       f'each step gets a {type(xs).__name__} of {len(xs)} rows (row k of every array), not one of the arrays. To '
       'scan over the arrays themselves, stack them: jnp.stack(xs)'
     )
+
+
+def note_module_body(error: BaseException, f, name: str) -> None:
+  """A Module given as the body failed: say how the loop called it, and how to run a model per step."""
+  if not isinstance(f, nnx.Module) or not isinstance(error, (TypeError, ValueError)):
+    return
+  scans = 'scan' in name
+  called, wrap = ('model(carry, x)', 'lambda carry, x: (model(carry), None), init, xs') if scans else (
+    'model(*x), one slice of each of xs', 'lambda x: model(x), xs')
+  error.add_note(
+    f'brainnx: {name} called the {type(f).__name__} Module given as its function as {called}; its '
+    f'__call__ is {inspect.signature(f)}. To run a model at every step, wrap it: bnx.{name}({wrap})'
+  )
 
 
 def check_length(length, name: str) -> int:
@@ -238,7 +281,7 @@ def scan(
     >>> bnx.scan(lambda c, x: (c + x, c + x), 0, jnp.arange(5), reverse=True)[1].tolist()
     [10, 10, 9, 7, 4]
   """
-  check_loop_callable(f, 'scan')
+  check_loop_callable(f, 'scan', 2)
   bar, rest = split_pbar(pbar)
   config = ScanConfig(length=length, reverse=reverse, unroll=unroll, pbar=rest, state_in_axes=rules_key(state_in_axes, 'scan'))
   return call(_scan_impl, config, (f, bar), (init, xs))
@@ -264,6 +307,7 @@ def run_scan(config: ScanConfig, f: Callable, bar, init, xs):
     body, n_carry, state = scan_parts(f, init, xs, name, config.rules, config.keep_new)
   except Exception as e:
     note_list_of_arrays(e, xs)
+    note_module_body(e, f, name)
     if layers_check and not isinstance(e, BatchAxisError):
       layer_checks.explain_failure(discover(f, (init, step_example(xs)), {}), n, config.rules, e, name)
     raise
@@ -361,7 +405,7 @@ def for_loop(
     >>> bnx.for_loop(lambda a, b: a * b, jnp.arange(3), jnp.arange(3)).tolist()
     [0, 1, 4]
   """
-  check_loop_callable(f, 'for_loop')
+  check_loop_callable(f, 'for_loop', len(xs), 'f(*x), one slice of each of xs')
   bar, rest = split_pbar(pbar)
   config = ScanConfig(name='for_loop', length=length, reverse=reverse, unroll=unroll, pbar=rest,
                       state_in_axes=rules_key(state_in_axes, 'for_loop'))

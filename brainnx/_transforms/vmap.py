@@ -236,8 +236,10 @@ def mapped(name: str, fn: Callable | None, config: VmapConfig):
     return lambda f: mapped(name, f, config)
   check_callable(fn, name)
   size = config.axis_size
-  if size is not None and (not is_int(size) or size < 0):
-    raise ValueError(f'{name}: axis_size must be a non-negative int, got axis_size={size!r}')
+  if size is not None and not is_int(size):
+    raise TypeError(f'{name}: axis_size must be an int, got axis_size={size!r} ({type(size).__name__})')
+  if size is not None and size < 0:
+    raise ValueError(f'{name}: axis_size must be non-negative, got axis_size={size!r}')
   return MappedFunction(dataclasses.replace(config, fn=fn))
 
 
