@@ -19,6 +19,7 @@ from flax import nnx
 
 from brainnx import demo
 from brainnx.examples import ensemble as problem
+from brainnx.examples.ensemble_output import have_matplotlib
 from helpers import demo_training_in_plain_jax
 
 ENV = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
@@ -330,3 +331,29 @@ def test_a_writable_path_is_probed_without_a_trace(tmp_path, monkeypatch):
   with pytest.raises(Stop, match='^$'):
     demo.main(['--members', '2', '--steps', '5', '--out', str(tmp_path / 'fig.png'), '--save', str(existing)])
   assert sorted(p.name for p in tmp_path.iterdir()) == ['params.npz'] and existing.read_bytes() == b'kept'
+
+
+@pytest.mark.skipif(not have_matplotlib(), reason='the plot needs matplotlib (the dev extra installs it)')
+def test_the_spread_inset_draws_its_labels_inside_its_own_box():
+  """Panel (i)'s inset: its tick labels and title overlapped the panel's curves; now every
+  artist of the inset lies inside the inset's own box (checked on the drawn figure)."""
+  import matplotlib
+
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  from brainnx.examples.ensemble_output import _spread_inset
+
+  g = np.linspace(-6.0, 6.0, 241)
+  means = np.stack([g ** 3 + k * 0.1 * g for k in range(5)])
+  mean, std = means.mean(0), np.full_like(g, 0.5)
+  fig, ax = plt.subplots(figsize=(4, 3.6))
+  ax.plot(g, mean)
+  inset = _spread_inset(ax, g, means, mean, std)
+  fig.canvas.draw()
+  renderer = fig.canvas.get_renderer()
+  box, drawn = inset.get_window_extent(renderer), inset.get_tightbbox(renderer)
+  plt.close(fig)
+  edge = 2  # pixels: the spines' own width
+  assert box.x0 - edge <= drawn.x0 and drawn.x1 <= box.x1 + edge, (box.extents, drawn.extents)
+  assert box.y0 - edge <= drawn.y0 and drawn.y1 <= box.y1 + edge, (box.extents, drawn.extents)

@@ -184,7 +184,7 @@ def test_grad_of_a_module_names_grad_and_the_loss_to_write():
 
 def test_a_module_given_as_the_scan_body_is_explained_with_the_wrap_to_write():
   model = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
-  with pytest.raises(TypeError) as e:
+  with pytest.raises(TypeError, match=r'model\(carry, x\)') as e:  # pytest matches the notes too
     bnx.scan(model, jnp.zeros(3), jnp.ones((2, 3)))
   note = next(n for n in e.value.__notes__ if n.startswith('brainnx:'))
   assert 'model(carry, x)' in note and 'bnx.scan(lambda carry, x: (model(carry), None), init, xs)' in note

@@ -16,7 +16,7 @@ from helpers import SideBySidePage, assert_same_values, values_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGE = (ROOT / 'docs' / 'migration.md').read_text()
-ROWS = ['vmap-stateaxes', 'split-rngs', 'scan-carry', 'scan-layers', 'broadcast-stream', 'cached-partial', 'donate',
+ROWS = ['vmap-stateaxes', 'split-rngs', 'vmap-init', 'loop-carry', 'scan-carry', 'scan-layers', 'broadcast-stream', 'cached-partial', 'donate',
         'grad-diffstate']
 BLOCKS = SideBySidePage(ROOT / 'docs' / 'migration.md', ('flax', 'brainnx'))
 _run = BLOCKS.run
@@ -60,6 +60,39 @@ def test_split_rngs_restarts_counts_where_brainnx_keeps_the_streams():
     np.testing.assert_allclose(ours.kernel[i], member(2, i, 2), rtol=1e-6)
     np.testing.assert_allclose(flax.kernel[i], member(2, i, 0), rtol=1e-6)
   assert not np.allclose(ours.kernel[...], flax.kernel[...])
+
+
+def test_a_stack_built_in_the_constructor():
+  flax, ours = _run('vmap-init', 'flax'), _run('vmap-init', 'brainnx')
+  assert ours['stack'].lin.kernel.shape == flax['stack'].lin.kernel.shape == (4, 2, 3)
+  np.testing.assert_allclose(ours['stack'].lin.kernel[...], flax['stack'].lin.kernel[...], rtol=1e-6)
+  np.testing.assert_allclose(ours['stack'].lin.bias[...], flax['stack'].lin.bias[...], rtol=1e-6)
+
+
+def test_bnx_vmap_on_a_constructor_names_vmap_new_states():
+  class Stack(nnx.Module):
+    @bnx.vmap(in_axes=(None, None), axis_size=4)
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(2, 3, rngs=rngs)
+
+  with pytest.raises(bnx.BatchAxisError, match='vmap_new_states'):
+    Stack(nnx.Rngs(0))
+
+
+def test_a_module_in_a_loop_carry():
+  flax, ours = _run('loop-carry', 'flax'), _run('loop-carry', 'brainnx')
+  for side in (flax, ours):
+    assert int(side['counter'].count[...]) == 5 and float(side['counter'].total[...]) == 2.0 * sum(range(5))
+
+
+def test_split_rngs_around_bnx_vmap_gives_flax_keys_on_a_used_stream():
+  """The recipe for flax's exact dropout keys: flax's split kept around a mapping bnx.vmap."""
+  def draws(vmap, rngs):
+    return nnx.split_rngs(splits=4)(vmap(lambda r: r.dropout.uniform((3,)), in_axes=0))(rngs)
+
+  ours, theirs = nnx.Rngs(dropout=3), nnx.Rngs(dropout=3)
+  ours.dropout(), theirs.dropout()  # a stream already drawn from
+  np.testing.assert_array_equal(draws(bnx.vmap, ours), draws(nnx.vmap, theirs))
 
 
 def test_scan_with_carry():

@@ -174,10 +174,11 @@ def plot(path: Path, panels, preds: np.ndarray, data) -> None:
   plt.close(fig)
 
 
-def _spread_inset(ax, g, means, mean, std) -> None:
+def _spread_inset(ax, g, means, mean, std):
   """An inset under ``ax``'s curves: each network's mean minus the panel's mean, with ± 3 std, on
   its own scale (an MSE ensemble's members agree to a fraction of a unit on the data, invisible
-  on the panel's ±300)."""
+  on the panel's ±300). Its tick labels and title sit inside its own box, never over the panel's
+  curves; its x axis is the panel's. Returns the inset's axes."""
   inset = ax.inset_axes([0.5, 0.05, 0.47, 0.36])
   inset.axvspan(-GRID_RANGE, -DATA_RANGE, color='0.93', lw=0)
   inset.axvspan(DATA_RANGE, GRID_RANGE, color='0.93', lw=0)
@@ -185,8 +186,15 @@ def _spread_inset(ax, g, means, mean, std) -> None:
   for p in means:
     inset.plot(g, p - mean, color='tab:red', alpha=0.6, lw=0.8)
   inset.set_xlim(-GRID_RANGE, GRID_RANGE)
-  inset.tick_params(labelsize=6)
-  inset.set_title('network means − mean (own scale)', fontsize=6, pad=2)
+  reach = float(np.max(np.abs(np.concatenate([np.ravel(means - mean), np.ravel(3 * std)]))))
+  reach = reach if reach > 0 else 1.0
+  inset.set_ylim(-reach, 1.4 * reach)  # headroom for the title inside the box
+  inset.set_yticks([-reach, 0.0, reach])
+  inset.tick_params(bottom=False, labelbottom=False, left=False, labelleft=False)  # the scale is in the title
+  inset.axhline(0.0, color='0.6', lw=0.5)
+  inset.text(0.5, 0.97, f'network means − mean (±{reach:.3g})', transform=inset.transAxes, ha='center', va='top',
+             fontsize=6)
+  return inset
 
 
 def have_matplotlib() -> bool:
