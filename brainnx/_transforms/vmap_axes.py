@@ -235,8 +235,9 @@ def batch_layout(cfg: VmapConfig, disc: Discovery, call: CallArgs, args: tuple, 
     )
   if len(distinct) > 1:
     raise ValueError(_inconsistent_sizes(cfg, sizes, distinct, sources, slot_axes[:len(args)], names, n_state))
-  vmap_checks.check_presplit(cfg, disc, presplit)
   stacks = vmap_checks.stacked_broadcasts(cfg, disc, axes, matched, distinct[0])
+  # a stream a brainnx vmap stacked is a stack: refused where read, with the other stacks
+  vmap_checks.check_presplit(cfg, disc, [k for k in presplit if k not in stacks])
   return BatchLayout(axes, split, tuple(dyn_axes), distinct[0], stacks)
 
 
