@@ -202,6 +202,8 @@ def members_metadata(mapped: Sequence[tuple[Any, int, int]]):
   ``nnx.vmap``'s ``transform_metadata`` removes it. Restored on exit."""
   changed = []
   for variable, axis, ndim in mapped:
+    if not isinstance(variable, nnx.Variable):  # an array attribute: no metadata
+      continue
     sharding = variable.get_metadata().get('out_sharding')
     if isinstance(sharding, (tuple, list)) and len(sharding) == ndim:
       names = list(sharding)
