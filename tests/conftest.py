@@ -1,6 +1,8 @@
 """Test configuration: 4 CPU devices for the multi-device tests, hypothesis profiles.
 
-The device count is forced whatever ``XLA_FLAGS`` already holds: another
+``BRAINNX_TEST_DEVICES=1`` forces one CPU device instead: the suite then runs as on one
+accelerator chip, and the tests that need several devices skip, saying how many they need
+(``helpers.needs_devices``). The device count is forced whatever ``XLA_FLAGS`` already holds: another
 ``--xla_force_host_platform_device_count`` in it is replaced, other flags are
 kept. If JAX was imported before this file ran, the flag can no longer take
 effect, and the session stops with a message instead of skipping the
@@ -11,7 +13,7 @@ import os
 import re
 import sys
 
-DEVICES = 4
+DEVICES = int(os.environ.get('BRAINNX_TEST_DEVICES', '4'))
 _FLAG = '--xla_force_host_platform_device_count'
 
 
@@ -46,6 +48,29 @@ def pytest_sessionstart(session):
 
   if jax.default_backend() == 'cpu' and jax.local_device_count() != DEVICES:
     raise pytest.UsageError(f'expected {DEVICES} CPU devices from XLA_FLAGS, got {jax.local_device_count()}')
+
+
+def _names_pmap(value) -> bool:
+  """A transform name (``'pmap'``, a nest ``'jit(pmap)'``), alone or first in a tuple."""
+  values = value if isinstance(value, tuple) else (value,)
+  return any(isinstance(v, str) and re.search(r'(^|[^\w.])pmap($|[^\w.])', v) for v in values)
+
+
+def pytest_collection_modifyitems(config, items):
+  """With one device (an accelerator chip), the cases of parametrized tests that run ``pmap``
+  over a batch of 2 or more skip, saying why; the CPU run keeps them all."""
+  import jax
+
+  if jax.device_count() >= 2:
+    return
+  skip = pytest.mark.skip(
+    reason=f'pmap maps one element per device and this case maps 2; the default backend '
+    f'({jax.default_backend()}) has 1 device: JAX_PLATFORMS=cpu runs it on 4 CPU devices'
+  )
+  for item in items:
+    spec = getattr(item, 'callspec', None)
+    if spec is not None and any(_names_pmap(v) for v in spec.params.values()):
+      item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

@@ -233,6 +233,8 @@ EAGER = ('jit', 'vmap', 'jit(vmap)', 'vmap(jit)', 'remat', 'jit(remat)', 'eval_s
 
 ACCESS = ('arg', 'closure', 'global', 'trainer', 'method', 'exec trainer')
 ONLY: list = []  # a sampler may narrow the draw to these transforms
+#: pmap maps one element per device: where the default backend has one (an accelerator chip), it is not drawn
+DRAWN = sorted(t for t in TRANSFORMS if 'pmap' not in t or jax.device_count() >= 2)
 HOLDERS = ('trainer', 'exec trainer')  # a plain object the function reads the model from on every call
 
 #: A plain holder class made by ``exec`` with globals that lack ``__name__`` (``__module__ ==
@@ -334,7 +336,7 @@ class Program:
 def programs(draw) -> Program:
   """A program: world, transform, body in that transform's vocabulary, calls and edits."""
   world = WorldSpec(*(draw(st.booleans()) for _ in range(7)))
-  transform = draw(st.sampled_from(ONLY or sorted(TRANSFORMS)))
+  transform = draw(st.sampled_from(ONLY or DRAWN))
   kinds, returns = TRANSFORMS[transform]
   usable = [i for i, s in enumerate(VOCABULARY) if s.kind in kinds and (not s.needs or getattr(world, s.needs))]
   body = tuple(draw(st.lists(st.sampled_from(usable), min_size=1, max_size=6)))

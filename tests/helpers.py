@@ -24,6 +24,17 @@ class MLP(nnx.Module):
     return self.l2(jax.nn.relu(self.l1(x)))
 
 
+def needs_devices(n: int):
+  """Skip unless the default backend has ``n`` devices (one accelerator chip has 1; the CPU
+  run of ``conftest.py`` has 4)."""
+  have = jax.device_count()
+  return pytest.mark.skipif(
+    have < n,
+    reason=f'needs {n} devices, the default backend ({jax.default_backend()}) has {have}; '
+    'JAX_PLATFORMS=cpu runs it on the 4 CPU devices conftest.py forces',
+  )
+
+
 def mlp_pure(params, x):
   """The same MLP on a dict of arrays: the oracle."""
   h = jax.nn.relu(x @ params['l1']['kernel'] + params['l1']['bias'])

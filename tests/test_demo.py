@@ -20,7 +20,7 @@ from flax import nnx
 from brainnx import demo
 from brainnx.examples import ensemble as problem
 from brainnx.examples.ensemble_output import have_matplotlib
-from helpers import demo_training_in_plain_jax
+from helpers import demo_training_in_plain_jax, needs_devices
 
 ENV = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -117,7 +117,7 @@ def test_demo_module_entry_point(tmp_path):
   (['--members', '0'], '--members must be at least 1'), (['--steps', 'many'], 'invalid int'),
   (['--bogus'], 'unrecognized'), (['--checkpoint-every', '0'], '--checkpoint-every must be'),
   (['--devices', '0'], '--devices must be'), (['--devices', '64'], 'only'),
-  (['--members', '6', '--devices', '4'], r'14 networks \(2 \* members \+ 2\).*--members 7 does'),
+  pytest.param(['--members', '6', '--devices', '4'], r'14 networks \(2 \* members \+ 2\).*--members 7 does', marks=needs_devices(4)),
   (['--adversarial', '-0.1'], '0 or more'), (['--process-id', '0'], 'go with --distributed'),
   (['--distributed', '127.0.0.1:1'], 'needs --num-processes'),
   (['--out', 'x.gif'], r"'\.gif' is not an image type"),
@@ -266,6 +266,7 @@ def test_plain_install_in_a_fresh_venv_runs_the_demo(tmp_path):
   assert 'matplotlib is not installed' in out.stderr and (tmp_path / 'ckpt' / '5').is_dir()
 
 
+@needs_devices(2)
 def test_devices_split_the_networks_and_equal_one_device(tmp_path, capsys):
   flags = ['--members', '3', '--steps', '20', '--no-plot']
   one = demo.main(flags)

@@ -5,18 +5,17 @@ bounded by a timeout; the oracles are the same training in this process on its 4
 the networks trained one by one in plain jax + optax.
 """
 
-import jax
 import numpy as np
 
 from brainnx import demo
-from helpers import demo_training_in_plain_jax, run_processes
+from helpers import demo_training_in_plain_jax, needs_devices, run_processes
 
 TIMEOUT_S = 240
 FLAGS = ['--members', '5', '--steps', '5', '--no-plot']  # 12 networks over 4 devices
 
 
+@needs_devices(4)  # the one-process oracle
 def test_two_processes_train_the_sharded_ensemble_as_one_process_does(tmp_path):
-  assert jax.device_count() >= 4, 'the one-process oracle needs the 4 devices that tests/conftest.py forces'
   logs = run_processes('brainnx.demo', [*FLAGS, '--save', str(tmp_path / 'many.npz')], tmp_path, timeout_s=TIMEOUT_S)
   assert 'on 4 device(s) in 2 process(es)' in logs[0]
 

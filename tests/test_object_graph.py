@@ -18,7 +18,7 @@ from flax import nnx, struct
 from flax.training import train_state
 
 import brainnx as bnx
-from helpers import needs_capture
+from helpers import needs_capture, needs_devices
 
 
 class MLP(nnx.Module):
@@ -367,6 +367,7 @@ def _fsdp_losses(jitter, steps=40):
     return [float(train_step(model, optimizer, x, y)) for _ in range(steps)]
 
 
+@needs_devices(2)
 def test_flax_fsdp_example_trains_as_with_nnx_jit():
   got, want = _fsdp_losses(bnx.jit), _fsdp_losses(nnx.jit)
   np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import brainnx as bnx
-from helpers import MLP, mlp_params, mlp_pure, nnx_split_draws
+from helpers import MLP, mlp_params, mlp_pure, needs_devices, nnx_split_draws
 
 X = jax.random.normal(jax.random.key(0), (5, 3))
 
@@ -18,8 +18,8 @@ def ensemble(n=8, seed=0):
   return bnx.vmap(lambda: MLP(3, 4, 2, rngs=rngs), axis_size=n)()
 
 
+@needs_devices(4)
 def test_pmap_on_four_devices_equals_jax_pmap():
-  assert jax.local_device_count() >= 4
   ens = ensemble(4)
   p = bnx.pmap(lambda m, x: m(x), in_axes=(0, None))(ens, X)
   ref = jax.pmap(mlp_pure, in_axes=(0, None))(mlp_params(ens), X)
@@ -77,6 +77,7 @@ def test_map_batch_size_one_and_a_remainder_match_a_loop():
     bnx.map(lambda r: r, xs, batch_size=True)
 
 
+@needs_devices(4)
 def test_pmap_static_broadcasted_argnums_as_jax_pmap():
   """A static argument reaches the function as the Python value (a branch on it works)."""
   f = lambda x, n: x * n if n > 1 else x - n  # noqa: E731
@@ -86,6 +87,7 @@ def test_pmap_static_broadcasted_argnums_as_jax_pmap():
     np.testing.assert_allclose(got, jax.pmap(f, static_broadcasted_argnums=1)(xs, n))
 
 
+@needs_devices(4)
 def test_pmap_tracing_a_function_that_writes_other_variables_the_second_time_is_an_error():
   """pmap traces twice on a first call; a function whose second trace writes other Variables
   (a Python counter picking the target) is refused, and nothing is written."""
@@ -110,6 +112,7 @@ def test_negative_axis_size_and_pmap_over_too_many_elements_are_named():
     bnx.pmap(lambda x: x * 2)(jnp.ones(n + 1))
 
 
+@needs_devices(4)
 def test_pmap_writing_a_broadcast_counter_traces_on_its_first_call_only():
   count = nnx.Variable(jnp.zeros(()))
   traces = []
@@ -130,6 +133,7 @@ def test_pmap_writing_a_broadcast_counter_traces_on_its_first_call_only():
   np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.pmap(lambda x: x * 2)(jnp.ones((2, 3)))))
 
 
+@needs_devices(4)
 def test_a_counter_a_two_device_pmap_wrote_is_read_by_a_four_device_pmap_as_jax_pmap_reads_it():
   step = lambda c, x: (c + 1.0, x * 2)  # noqa: E731
   pure = jax.pmap(step, in_axes=(None, 0), out_axes=(None, 0))
@@ -149,6 +153,7 @@ def test_a_counter_a_two_device_pmap_wrote_is_read_by_a_four_device_pmap_as_jax_
   assert float(c_ref) == 3.0
 
 
+@needs_devices(2)
 def test_pmap_reads_a_variable_committed_to_another_device():
   """A Variable committed to device 1 (jax.pmap takes such inputs; brainnx raised jax's
   DeviceAssignmentMismatchError): the values equal jax.pmap's on the pure function."""

@@ -5,6 +5,8 @@ import re
 
 import jax
 
+from helpers import needs_devices
+
 README = pathlib.Path(__file__).resolve().parents[1] / 'README.md'
 BLOCKS = re.findall(r'```python\n(.*?)```', README.read_text(), flags=re.S)
 
@@ -48,8 +50,8 @@ def test_side_by_side_columns_run_and_use_per_member_dropout():
     assert len(set(map(float, loss))) == 8
 
 
+@needs_devices(4)
 def test_mesh_snippet_runs_and_splits_the_members():
-  assert jax.device_count() >= 4, 'needs the 4 CPU devices that tests/conftest.py forces'
   (block,) = [b for b in BLOCKS if 'state_shardings' in b]
   namespace = {}
   exec(block, namespace)  # alone: it builds its own ensemble

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import brainnx as bnx
-from helpers import MLP, assert_same_tree, assert_same_values, nnx_split_draws, mlp_params, mlp_pure, no_tracers, values_of
+from helpers import MLP, assert_same_tree, assert_same_values, nnx_split_draws, mlp_params, mlp_pure, needs_devices, no_tracers, values_of
 
 X = jax.random.normal(jax.random.key(0), (5, 3))
 
@@ -432,6 +432,7 @@ def test_jit_of_vmap_traces_once_and_eager_replays():
   assert len(runs) == 2
 
 
+@needs_devices(4)
 def test_spmd_axis_name_shards_the_batch_axis_as_jax_vmap_does():
   """A sharding constraint inside the mapped function gets the mesh axis on its batch
   dimension, in the lowered program and on the output, exactly as under ``jax.vmap``."""
