@@ -17,7 +17,7 @@ from helpers import SideBySidePage, assert_same_values, values_of
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGE = (ROOT / 'docs' / 'migration.md').read_text()
 ROWS = ['vmap-stateaxes', 'split-rngs', 'vmap-init', 'loop-carry', 'scan-carry', 'scan-layers', 'broadcast-stream', 'cached-partial', 'donate',
-        'grad-diffstate']
+        'shard-statesharding', 'grad-diffstate']
 BLOCKS = SideBySidePage(ROOT / 'docs' / 'migration.md', ('flax', 'brainnx'))
 _run = BLOCKS.run
 
@@ -144,6 +144,13 @@ def test_donated_steps():
   np.testing.assert_allclose(ours['losses'], flax['losses'], rtol=1e-5)
   np.testing.assert_allclose(ours['model'].kernel[...], flax['model'].kernel[...], rtol=1e-5)
   assert ours['old_kernel'].is_deleted() and flax['old_kernel'].is_deleted()
+
+
+def test_state_sharding_in_shard_map():
+  flax, ours = _run('shard-statesharding', 'flax'), _run('shard-statesharding', 'brainnx')
+  np.testing.assert_allclose(ours['out'], flax['out'], rtol=1e-6)
+  a, b = ours['model'].kernel[...], flax['model'].kernel[...]
+  assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
 
 
 def test_grad_with_diff_state():

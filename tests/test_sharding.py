@@ -19,8 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 import brainnx as bnx
 from brainnx.examples.ensemble import MIN_VARIANCE, MLP, make_data
+from helpers import needs_devices
 
-assert jax.device_count() >= 4, 'needs the 4 CPU devices that tests/conftest.py forces'
+pytestmark = needs_devices(4)
 
 
 def _mesh(name='x', kind=AxisType.Explicit):
@@ -371,6 +372,54 @@ def test_shard_map_leaves_the_variables_it_reads_laid_out_as_nnx_shard_map_does(
     np.testing.assert_array_equal(a, b)
     assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
   assert ours_model.layers[0].kernel[...].sharding.spec == P(None, 'd')
+
+
+def _first_kernel(path, variable):  # a flax filter, paths relative to the model
+  return tuple(path) == ('layers', 0, 'kernel')
+
+
+@pytest.mark.parametrize('form', ['state', 'state_sharding', 'filters'])
+def test_flax_state_sharding_in_in_specs_lays_out_that_argument_as_nnx_shard_map(form):
+  """flax's spelling works unchanged: an ``nnx.State`` of specs (``nnx.get_partition_spec``'s
+  shape), or an ``nnx.StateSharding``, as a graph node's ``in_specs`` entry, paths relative to
+  the node. Oracle: ``nnx.shard_map`` with the same entry."""
+  mesh = _typed_mesh(AxisType.Auto)
+
+  def forward(m, x):
+    h = x @ m.layers[0].kernel[...]
+    rows = jax.lax.dynamic_slice_in_dim(m.layers[1].kernel[...], jax.lax.axis_index('d') * 2, 2, 0)
+    return jax.lax.psum(h @ rows, 'd')
+
+  ours_model, theirs_model = _model(), _model()
+  specs = jax.tree.map(lambda _: P(), nnx.state(ours_model))
+  specs['layers'][0]['kernel'] = P(None, 'd')
+  entry = {
+    'state': specs,
+    'state_sharding': nnx.StateSharding(specs),
+    'filters': nnx.StateSharding({_first_kernel: P(None, 'd'), ...: P()}),
+  }[form]
+  x = jnp.ones((2, 4))
+  ours = bnx.shard_map(forward, mesh=mesh, in_specs=(entry, P()), out_specs=P())(ours_model, x)
+  flax_entry = nnx.StateSharding(specs) if form == 'state' else entry
+  theirs = nnx.shard_map(forward, mesh=mesh, in_specs=(flax_entry, P()), out_specs=P())(theirs_model, x)
+  np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(nnx.state(ours_model)), jax.tree.leaves(nnx.state(theirs_model))):
+    np.testing.assert_array_equal(a, b)
+    assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
+  assert ours_model.layers[0].kernel[...].sharding.spec == P(None, 'd')
+
+
+def test_a_state_sharding_matching_no_entry_or_given_to_an_array_is_named():
+  mesh = _typed_mesh(AxisType.Auto)
+  model = _model()
+  before = jax.tree.map(np.asarray, nnx.state(model))
+  forward = lambda m, x: x @ m.layers[0].kernel[...]  # noqa: E731
+  only_first = nnx.StateSharding({_first_kernel: P(None, 'd')})
+  with pytest.raises(ValueError, match=r"StateSharding of argument 0 has no entry matching Param at \(0, 'layers', 1, 'kernel'\)"):
+    bnx.shard_map(forward, mesh=mesh, in_specs=(only_first, P()), out_specs=P(None, 'd'))(model, jnp.ones((2, 4)))
+  with pytest.raises(ValueError, match=r'in_specs\[1\] is an nnx.StateSharding.*not a graph node: give it a PartitionSpec'):
+    bnx.shard_map(forward, mesh=mesh, in_specs=(None, only_first), out_specs=P(None, 'd'))(model, jnp.ones((2, 4)))
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, nnx.state(model)), before)
 
 
 def test_shard_map_lays_out_the_state_it_reads_on_an_explicit_mesh():

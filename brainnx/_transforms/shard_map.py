@@ -27,6 +27,7 @@ import functools
 from typing import Any, Callable
 
 import jax
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from brainnx._engine.arguments import ArgKind, CallArgs
@@ -36,6 +37,7 @@ from brainnx._engine.config import Config
 from brainnx._engine.eager import call, eager
 from brainnx._engine.sharding import Rules, arg_specs, check_divides, check_gathers, constrain, place
 from brainnx._engine.errors import check_callable
+from brainnx._engine.roots import RootKind
 
 
 _REPLICATED = PartitionSpec()
@@ -71,13 +73,16 @@ def shard_map(
 
   ``in_specs`` has one ``PartitionSpec`` per positional argument (or one for all), as in
   ``jax.shard_map``; a graph node passed as an argument gets ``None`` (or ``P()``) there,
-  since its Variables follow ``state_in_specs``. Collectives over the mesh axes work inside.
+  since its Variables follow ``state_in_specs``, or flax's ``nnx.StateSharding`` (or an
+  ``nnx.State`` of specs), which lays out that node's Variables as ``nnx.shard_map`` does,
+  paths relative to the node. Collectives over the mesh axes work inside.
   Variables the function writes are written back after the call.
 
   Args:
     f: the per-shard function.
     mesh: a ``jax.sharding.Mesh``. Default ``None``: the mesh set with ``jax.set_mesh``.
-    in_specs: specs of the positional arguments.
+    in_specs: specs of the positional arguments (a graph node's: ``None`` or an
+      ``nnx.StateSharding``).
     out_specs: specs of the output (a prefix of its tree), as in ``jax.shard_map``.
     state_in_specs: ``{PartitionSpec: filter}``: how matched Variables are split over the
       mesh (first match wins). Default ``None``: every Variable replicated (``P()``).
@@ -94,7 +99,8 @@ def shard_map(
     TypeError: if ``f`` is not callable, ``mesh`` is not a Mesh, a state spec dict is malformed, or a dynamic
       argument is passed by keyword.
     ValueError: if no mesh is given or set, a spec does not divide a Variable's shape (naming
-      the Variable), ``in_specs`` has the wrong length or gives a graph node a spec, or ``f``
+      the Variable), ``in_specs`` has the wrong length or gives a graph node a spec (an
+      ``nnx.StateSharding`` matching none of a node's Variables, or given to an array), or ``f``
       creates Variables or returns graph nodes.
 
   Example:
@@ -109,7 +115,7 @@ def shard_map(
   if mesh is not None and not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
     raise TypeError(f'shard_map: mesh must be a jax.sharding.Mesh (or None for the mesh set with jax.set_mesh), got {mesh!r}')
   config = ShardMapConfig(
-    mesh=mesh, in_specs=_hashable(in_specs), out_specs=_hashable(out_specs),
+    mesh=mesh, in_specs=_hashable(_flax_specs(in_specs)), out_specs=_hashable(out_specs),
     state_in=Rules.parse(state_in_specs, 'state_in_specs'), state_out=Rules.parse(state_out_specs, 'state_out_specs'),
     axis_names=frozenset(axis_names), check_vma=check_vma,
   )
@@ -117,13 +123,13 @@ def shard_map(
   @functools.wraps(f)
   def sharded(*args, **kwargs):
     if eager():
-      _lay_out_read(f, args, kwargs, mesh, config.state_in)
+      _lay_out_read(f, args, kwargs, mesh, config.in_specs, config.state_in)
     return call(_shard_map_impl, config, (f,), args, kwargs, compile_first=True)
 
   return sharded
 
 
-def _lay_out_read(f, args, kwargs, mesh, state_in: Rules) -> None:
+def _lay_out_read(f, args, kwargs, mesh, in_specs, state_in: Rules) -> None:
   """Called outside any trace: move every Variable to the layout its ``state_in_specs`` spec
   gives (``P()``: replicated over the mesh), as ``nnx.shard_map`` leaves the state it reads.
   Written Variables come back laid out by their ``state_out_specs`` anyway."""
@@ -131,10 +137,55 @@ def _lay_out_read(f, args, kwargs, mesh, state_in: Rules) -> None:
   if mesh.empty or not isinstance(mesh, jax.sharding.Mesh):
     return  # the call itself says what is missing
   disc = discover(f, tuple(args), kwargs)
-  specs = state_in.specs(disc, _REPLICATED)
+  _, by_slot = _node_shardings(in_specs, CallArgs.split(args, kwargs))
+  specs = _state_specs(disc, state_in, by_slot)
   for i, spec in enumerate(specs):
     check_divides(disc, i, spec, dict(mesh.shape), 'shard_map: state_in_specs')
   place(disc, [NamedSharding(mesh, spec) for spec in specs])
+
+
+def _flax_specs(specs):
+  """flax's ``nnx.State`` of specs as the ``nnx.StateSharding`` that ``nnx.shard_map`` builds of it."""
+  if isinstance(specs, (tuple, list)):
+    return type(specs)(_flax_specs(s) for s in specs)
+  return nnx.StateSharding(specs) if isinstance(specs, nnx.State) else specs
+
+
+def _node_shardings(in_specs, arguments: CallArgs) -> tuple[Any, dict]:
+  """``in_specs`` with each ``nnx.StateSharding`` entry replaced by ``None``, and the
+  ``{argument position: StateSharding}`` that lays out that graph node's Variables."""
+  if not isinstance(in_specs, tuple) or not any(isinstance(s, nnx.StateSharding) for s in in_specs):
+    return in_specs, {}
+  positional = [s for s in range(arguments.n_args) if arguments.kinds[s] is not ArgKind.STATIC]
+  if len(in_specs) != len(positional):
+    return in_specs, {}  # arg_specs names the length
+  by_slot = {}
+  for n, (slot, spec) in enumerate(zip(positional, in_specs)):
+    if isinstance(spec, nnx.StateSharding):
+      if arguments.kinds[slot] is not ArgKind.REF:
+        raise ValueError(
+          f'shard_map: in_specs[{n}] is an nnx.StateSharding, which lays out a graph node\'s '
+          'Variables, but that argument is not a graph node: give it a PartitionSpec'
+        )
+      by_slot[slot] = spec
+  return tuple(None if isinstance(s, nnx.StateSharding) else s for s in in_specs), by_slot
+
+
+def _state_specs(disc, state_in: Rules, by_slot: dict) -> tuple:
+  """Each Variable's input spec: its argument's ``nnx.StateSharding`` (paths relative to the
+  argument, as flax reads them), else the first ``state_in_specs`` rule matching it."""
+  specs = list(state_in.specs(disc, _REPLICATED))
+  for i, (path, var, r) in enumerate(zip(disc.paths, disc.variables, disc.root_of)):
+    root = disc.roots[r]
+    if root.kind is RootKind.ARG and root.name in by_slot:
+      try:
+        specs[i] = by_slot[root.name].map_prefix(path[1:], var)
+      except ValueError:
+        raise ValueError(
+          f'shard_map: the nnx.StateSharding of argument {root.name} has no entry matching '
+          f'{disc.describe(i)} (its path in that argument: {path[1:]})'
+        ) from None
+  return tuple(specs)
 
 
 def _hashable(specs):
@@ -155,7 +206,8 @@ def _shard_map_impl(config: ShardMapConfig, roots: tuple, *args, **kwargs):
     raise ValueError('shard_map: no mesh: pass mesh=... or call inside `with jax.set_mesh(mesh):`')
   stateful = StatefulCall.enter(f, args, kwargs, name='shard_map')
   disc = stateful.disc
-  specs_in = state_in.specs(disc, _REPLICATED)
+  in_specs, by_slot = _node_shardings(in_specs, arguments)
+  specs_in = _state_specs(disc, state_in, by_slot)
   specs_out = tuple(o if o is not None else i for o, i in zip(state_out.specs(disc, None), specs_in))
   mesh_shape = dict(mesh.shape)
   for i, spec_in in enumerate(specs_in):
