@@ -27,6 +27,9 @@ if 'jax' in sys.modules and os.environ.get('XLA_FLAGS') != forced_xla_flags(os.e
   raise RuntimeError(f'jax was imported before tests/conftest.py could set {_FLAG}={DEVICES} in XLA_FLAGS')
 os.environ['XLA_FLAGS'] = forced_xla_flags(os.environ.get('XLA_FLAGS', ''))
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# float32 matmuls at full precision on an accelerator too (the CPU's only precision), so oracles
+# computed another way agree to float32 rounding there as well
+os.environ.setdefault('JAX_DEFAULT_MATMUL_PRECISION', 'highest')
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
