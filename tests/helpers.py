@@ -24,6 +24,40 @@ class MLP(nnx.Module):
     return self.l2(jax.nn.relu(self.l1(x)))
 
 
+ON_CPU = jax.default_backend() == 'cpu'
+
+
+def assert_program_equal(got, want, ulps: int = 4) -> None:
+  """The tolerance policy (tests/README.md) for one value computed by two programs (compiled
+  and eager, or two different compiled programs): bit-exact on CPU; on an accelerator, where XLA
+  fuses and rounds each program its own way, within ``ulps`` float32 ulps of the largest value."""
+  got, want = np.asarray(got), np.asarray(want)
+  if ON_CPU or not np.issubdtype(want.dtype, np.floating):
+    np.testing.assert_array_equal(got, want)
+  else:
+    tol = ulps * np.finfo(want.dtype).eps
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * float(np.max(np.abs(want), initial=0.0)))
+
+
+def reported_temp_bytes(lowered) -> int:
+  """XLA's temporary bytes for a lowered program, as the backend reports them. A backend that
+  reports none for a program that must hold temporaries (the TPU's analysis read 0 for whole
+  loops) cannot judge a memory claim: the test skips, saying so."""
+  n = lowered.compile().memory_analysis().temp_size_in_bytes
+  if not n:
+    pytest.skip(f'the {jax.default_backend()} backend reports no temporary bytes for this program')
+  return n
+
+
+def child_env(**extra) -> dict:
+  """The environment of a process a test starts: this checkout first on ``PYTHONPATH`` (what
+  is there already kept: the accelerator machine's jax lives there), and the CPU backend, so
+  that the child never contends with this process for an accelerator chip."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  path = os.pathsep.join(p for p in (root, os.environ.get('PYTHONPATH', '')) if p)
+  return dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS='cpu', **extra)
+
+
 def needs_devices(n: int):
   """Skip unless the default backend has ``n`` devices (one accelerator chip has 1; the CPU
   run of ``conftest.py`` has 4)."""
@@ -210,7 +244,7 @@ def run_processes(module: str, flags: list, cwd, *, processes: int = 2, devices_
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     port = s.getsockname()[1]
-  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices_each}', JAX_PLATFORMS='cpu')
+  env = child_env(XLA_FLAGS=f'--xla_force_host_platform_device_count={devices_each}')
   procs = [
     subprocess.Popen(
       [sys.executable, '-m', module, *flags, '--distributed', f'127.0.0.1:{port}',

@@ -3,12 +3,13 @@ arguments) exits 0 and leaves its table, written into a temporary folder or prin
 script breaks silently between the runs that regenerate the committed tables."""
 
 import importlib.util
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+
+from helpers import child_env
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / 'benchmarks'
 _spec = importlib.util.spec_from_file_location('run_all', BENCHMARKS / 'run_all.py')
@@ -26,7 +27,7 @@ def test_every_script_has_a_quick_mode_in_the_runner():
 @pytest.mark.parametrize('name', sorted(run_all.SCRIPTS))
 def test_a_benchmark_script_runs_in_its_quick_mode(name, tmp_path):
   _, quick, writes = run_all.SCRIPTS[name]
-  env = dict(os.environ, BRAINNX_RESULTS_DIR=str(tmp_path), JAX_PLATFORMS='cpu')
+  env = child_env(BRAINNX_RESULTS_DIR=str(tmp_path))
   env.pop('XLA_FLAGS', None)  # each script sets the devices it needs
   done = subprocess.run([sys.executable, str(BENCHMARKS / f'{name}.py'), *quick], capture_output=True, text=True,
                         env=env, timeout=600, cwd=tmp_path)

@@ -20,9 +20,9 @@ from flax import nnx
 from brainnx import demo
 from brainnx.examples import ensemble as problem
 from brainnx.examples.ensemble_output import have_matplotlib
-from helpers import demo_training_in_plain_jax, needs_devices
+from helpers import child_env, demo_training_in_plain_jax, needs_devices
 
-ENV = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
+ENV = child_env()
 
 
 def test_demo_draws_the_four_panels_of_figure_1(tmp_path, capsys):

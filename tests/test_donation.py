@@ -48,8 +48,14 @@ def test_donated_step_aliases_like_the_pure_step_and_gives_the_same_values():
   pure_alias = pure_step.lower(state, X).compile().memory_analysis().alias_size_in_bytes
   assert results[None][0] == 0
   assert results[True][0] == pure_alias > 0
-  param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  assert results[nnx.Param][0] == param_bytes  # only the Params: the optimizer state is copied
+  params, rest = nnx.state((model, opt), nnx.Param, ...)
+
+  def pure_params(params, rest, x):  # the same step donating only the Params
+    out = pure(nnx.merge_state(params, rest), x)
+    return nnx.state(out, nnx.Param), nnx.state(out, nnx.Not(nnx.Param))
+
+  param_alias = jax.jit(pure_params, donate_argnums=0).lower(params, rest, X).compile().memory_analysis().alias_size_in_bytes
+  assert results[nnx.Param][0] == param_alias > 0  # only the Params: the optimizer state is copied
   for _ in range(3):
     state = pure_step(state, X)
   expected = jax.tree.map(np.asarray, state[0])  # the model's part of the (model, opt) state
@@ -225,8 +231,9 @@ def test_donating_graph_node_arguments_donates_what_the_call_writes_in_them(form
   run = (lambda: f(model, X, opt=opt)) if by_keyword else (lambda: f(model, opt, X))
   compiled = f.lower(model, X, opt=opt) if by_keyword else f.lower(model, opt, X)
   written = nnx.state(opt) if by_keyword else nnx.state((model, opt))
-  donated = sum(x.nbytes for x in jax.tree.leaves(written))
-  assert compiled.compile().memory_analysis().alias_size_in_bytes == donated
+  # the backend's own figure for donating exactly those arrays (an accelerator pads buffers)
+  donated = jax.jit(lambda w: jax.tree.map(lambda a: a + 1, w), donate_argnums=0).lower(written).compile()
+  assert compiled.compile().memory_analysis().alias_size_in_bytes == donated.memory_analysis().alias_size_in_bytes > 0
   old_mu = opt.opt_state[0].mu['l1']['kernel'][...]
   for _ in range(3):
     run()

@@ -309,7 +309,7 @@ def test_donated_arguments():
   ref = jax.jit(lambda buf, x: buf + x, donate_argnums=0)
   # the donated buffer aliases the output, as under jax.jit, and is deleted after the call
   alias = f.lower(jnp.ones(3), 1.0).compile().memory_analysis().alias_size_in_bytes
-  assert alias == ref.lower(jnp.ones(3), 1.0).compile().memory_analysis().alias_size_in_bytes == 12
+  assert alias == ref.lower(jnp.ones(3), 1.0).compile().memory_analysis().alias_size_in_bytes > 0  # 12 on CPU
   assert bnx.jit(lambda buf, x: buf + x).lower(jnp.ones(3), 1.0).compile().memory_analysis().alias_size_in_bytes == 0
   buf = jnp.ones(3)
   out = f(buf, 1.0)

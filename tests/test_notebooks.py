@@ -8,10 +8,11 @@ agree to 1e-3, images count by presence. To refresh a notebook after changing it
 
 import copy
 
-import nbformat
 import pytest
 
-from notebook_outputs import NOTEBOOKS, differences, execute, printed, tidy
+nbformat = pytest.importorskip('nbformat', reason='needs the notebook tools of the dev extra')
+
+from notebook_outputs import NOTEBOOKS, differences, execute, printed, tidy  # noqa: E402  (needs nbformat)
 
 PATHS = sorted(NOTEBOOKS.glob('*.ipynb'))
 
