@@ -1,5 +1,7 @@
 """Bad inputs not covered elsewhere: each gets a clear error naming what is wrong."""
 
+import functools
+import inspect
 import re
 
 import jax
@@ -196,3 +198,38 @@ def test_a_module_given_as_the_scan_body_is_explained_with_the_wrap_to_write():
 def test_a_loop_body_taking_too_few_arguments_is_refused_before_tracing():
   with pytest.raises(TypeError, match=r'scan calls its function as f\(carry, x\), 2 positional argument\(s\)'):
     bnx.scan(lambda c: (c, None), 0.0, jnp.ones(2))
+
+
+class _Bodies:
+  def two(self, c, x):
+    return c, x
+
+  def needs_keyword(self, c, x, *, k):
+    return c, x
+
+
+_BODIES = {
+  'two': lambda c, x: (c, x), 'one': lambda c: (c, None), 'three': lambda c, x, y: (c, x),
+  'a default': lambda c, x, y=1: (c, x), 'varargs': lambda *a: (a[0], a[1]), 'one and varargs': lambda c, *a: (c, a[0]),
+  'keyword-only': lambda c, x, *, k: (c, x), 'keyword-only default': lambda c, x, *, k=1: (c, x),
+  'bound method': _Bodies().two, 'bound method, keyword-only': _Bodies().needs_keyword,
+  'partial': functools.partial(lambda a, c, x: (c, x), 1), 'partial too many': functools.partial(lambda a, c: (c, None), 1),
+}
+
+
+@pytest.mark.parametrize('name', list(_BODIES))
+def test_the_arity_check_refuses_exactly_what_python_cannot_call(name):
+  """Oracle: whether ``inspect.signature(f).bind(carry, x)`` succeeds (the fast check reads the
+  code object; it must agree for every kind of callable)."""
+  f = _BODIES[name]
+  try:
+    inspect.signature(f).bind(None, None)
+    binds = True
+  except TypeError:
+    binds = False
+  if binds:
+    carry, ys = bnx.scan(f, jnp.zeros(()), jnp.ones(2))
+    assert carry.shape == ()
+  else:
+    with pytest.raises(TypeError, match=r'scan calls its function as f\(carry, x\), 2 positional argument\(s\)'):
+      bnx.scan(f, jnp.zeros(()), jnp.ones(2))

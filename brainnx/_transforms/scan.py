@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import types
 from typing import Any, Callable
 
 import jax
@@ -66,13 +67,28 @@ class ScanConfig(Config):
     return AxisRules(dict(self.state_in_axes) if self.state_in_axes is not None else None, 'state_in_axes', self.name)
 
 
+def _takes_positional(f, n: int) -> bool:
+  """``f(*n positional arguments)`` binds, read off a plain function's (or bound method's) code
+  object: the check every eager loop call makes, without ``inspect.signature``'s cost. False
+  where unsure: :func:`check_loop_callable` then asks ``inspect``."""
+  if type(f) is types.MethodType:
+    f, n = f.__func__, n + 1
+  if type(f) is not types.FunctionType:
+    return False
+  code = f.__code__
+  if code.co_kwonlyargcount > len(f.__kwdefaults__ or ()):
+    return False  # a keyword-only argument without a default
+  takes = code.co_argcount
+  return takes - len(f.__defaults__ or ()) <= n and (n <= takes or bool(code.co_flags & inspect.CO_VARARGS))
+
+
 def check_loop_callable(f, name: str, n_args: int | None = None, called: str = 'f(carry, x)') -> None:
   """A loop's function is callable (``jax.lax.scan``'s words), no generator, and (``n_args``
   given) takes that many positional arguments, as the loop calls it (``called``)."""
   if not callable(f):
     raise TypeError(f'{name}: f argument should be a callable, got {type(f).__name__}')
   check_callable(f, name)
-  if n_args is None:
+  if n_args is None or _takes_positional(f, n_args):
     return
   try:
     signature = inspect.signature(f)
