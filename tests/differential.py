@@ -129,6 +129,12 @@ class Statement:
   constant: bool = False  # a write of a value that depends on nothing
 
 
+def host_half(x):
+  """``x / 2`` computed on the host by ``jax.pure_callback`` (batched one element at a time)."""
+  return jax.pure_callback(lambda a: np.asarray(a) / 2, jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), x,
+                           vmap_method='sequential')
+
+
 VOCABULARY = (
   Statement('acc = acc + m.w[...]', 'read'),
   Statement('acc = acc * m.c[...] + 1.0', 'read'),
@@ -144,6 +150,8 @@ VOCABULARY = (
   Statement('acc = acc + sum((v[...] for v in m.cache.values()), jnp.zeros(3))', 'read'),
   Statement('acc = acc + sum((v[...] for v in m.items), jnp.zeros(3))', 'read'),
   Statement('acc = jnp.tanh(acc)', 'read'),
+  # a host callback (no effect, no derivative: its input is held constant): the call waits for it
+  Statement("acc = acc + host(jax.lax.stop_gradient(acc))", 'read'),
   Statement('m.c[...] = m.c[...] + 1.0', 'write', target='c'),
   Statement('m.w[...] = m.w[...] * 0.9', 'write', target='w'),
   Statement('G[...] = G[...] - 0.5', 'write', target='G'),
@@ -360,7 +368,7 @@ class World:
     self.model = Net(program.world)
     self.selected = self.model.w  # what grad_states selects: this instance, wherever it goes
     self.G = nnx.Variable(jnp.array([1.0, 0.0, -1.0]))
-    namespace = {'jnp': jnp, 'nnx': nnx, 'Holder': Holder, 'G': self.G, 'MODEL': self.model}
+    namespace = {'jnp': jnp, 'jax': jax, 'nnx': nnx, 'host': host_half, 'Holder': Holder, 'G': self.G, 'MODEL': self.model}
     exec(program.source(oracle), namespace)  # noqa: S102 - the drawn program
     if oracle:
       self.f = namespace['f']

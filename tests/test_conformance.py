@@ -639,6 +639,43 @@ def _fault(x):
     raise FAULT['raise']
 
 
+def _host_double(x):
+  return np.asarray(x) * 2
+
+
+@pytest.mark.parametrize('name', RUNS)
+def test_a_host_callback_failing_after_the_call_returned_writes_nothing(name, monkeypatch):
+  """On an accelerator a compiled call returns before its program ends, and a failing
+  ``jax.pure_callback`` (which has no effect to order) surfaces only when the results are
+  waited for. The CPU runs such a program to its end inside the call, so the wait is made to
+  raise here, as an accelerator's would: nothing may have been written by then."""
+  world = World()
+  written = nnx.Variable(jnp.zeros(()))
+
+  def f(x):
+    x = jax.lax.stop_gradient(x)  # a callback has no derivative; a constant needs none
+    y = jax.pure_callback(_host_double, jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), x, vmap_method='sequential')
+    world.count[...] += 1
+    written[...] = written[...] + 1.0
+    return y * world.model.kernel[...].sum() + world.rngs.uniform((3,))
+
+  g = make(name, f)
+  jax.block_until_ready(g(X))  # traced and compiled; the next call is warm
+  before, shape, kept = _state_of(world), world.structure(), np.asarray(written[...])
+  wait = jax.block_until_ready
+
+  def failing_wait(x):
+    monkeypatch.setattr(jax, 'block_until_ready', wait)
+    raise Boom('the host callback failed while the program ran')
+
+  monkeypatch.setattr(jax, 'block_until_ready', failing_wait)
+  with pytest.raises(Boom, match='host callback failed'):
+    jax.block_until_ready(g(X))
+  assert world.structure() == shape
+  _assert_same(before, _state_of(world))
+  np.testing.assert_array_equal(np.asarray(written[...]), kept)
+
+
 @pytest.mark.parametrize('fault', ['error', 'ctrl-c'])
 @pytest.mark.parametrize('name', RUNS)
 def test_warm_run_time_error_rolls_back(name, fault, caplog):

@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 import jax
 
+from brainnx import _compat
+
 _PENDING = threading.Event()
 _SCOPE = threading.local()
 
@@ -90,3 +92,19 @@ def is_never_failing(fn) -> bool:
   while isinstance(fn, functools.partial):
     fn = fn.func
   return getattr(fn, 'brainnx_never_fails', False)
+
+
+def calls_host(jaxpr) -> bool:
+  """Whether a (closed) jaxpr, or one nested in it, calls back to the host (``jax.pure_callback``,
+  ``io_callback``, ``jax.debug.callback``) with a callback that may fail: such a program can fail
+  after it consumed its inputs. brainnx's own (a progress bar's) never fail (:mod:`host_calls`)."""
+  inner = getattr(jaxpr, 'jaxpr', jaxpr)
+  for eqn in getattr(inner, 'eqns', ()):
+    if 'callback' in eqn.primitive.name and not is_never_failing(_compat.host_callback_target(eqn)):
+      return True
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if hasattr(sub, 'eqns') or hasattr(getattr(sub, 'jaxpr', None), 'eqns'):
+          if calls_host(sub):
+            return True
+  return False

@@ -44,7 +44,7 @@ from brainnx._engine.call import check_values
 from brainnx._engine.config import Config
 from brainnx._engine.discovery import Discovery, discover
 from brainnx._engine.filters import to_filter
-from brainnx._engine.host_calls import deferring_interrupts, is_never_failing
+from brainnx._engine.host_calls import calls_host, deferring_interrupts
 from brainnx._engine.outputs import Leaf, New
 from brainnx._engine.plan import CURRENT_PLAN, Packed, Plan, Written, complete_call
 from brainnx._engine.roots import Root, RootKind
@@ -405,22 +405,6 @@ class Compiled(_Stage):
     return complete_call(plan, result)
 
 
-def calls_host(jaxpr) -> bool:
-  """Whether a (closed) jaxpr, or one nested in it, calls back to the host (``jax.pure_callback``,
-  ``io_callback``, ``jax.debug.callback``) with a callback that may fail: such a program can fail
-  after it consumed its inputs. brainnx's own (a progress bar's) never fail (:mod:`host_calls`)."""
-  inner = getattr(jaxpr, 'jaxpr', jaxpr)
-  for eqn in getattr(inner, 'eqns', ()):
-    if 'callback' in eqn.primitive.name and not is_never_failing(_compat.host_callback_target(eqn)):
-      return True
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        if hasattr(sub, 'eqns') or hasattr(getattr(sub, 'jaxpr', None), 'eqns'):
-          if calls_host(sub):
-            return True
-  return False
-
-
 def _donated_node_roots(call: CallArgs, donated: StaticArgs) -> frozenset:
   """The discovery roots of the graph-node arguments ``donate_argnums`` / ``donate_argnames``
   select: their written Variables are donated, as ``donate_states`` donates (flax's meaning)."""
@@ -492,7 +476,7 @@ def _shape_of(x) -> tuple:
 
 def _packs(trace: Trace) -> bool:
   """Whether the compiled output is a ``Packed`` (rebuilt in Python) rather than the user's tree."""
-  return bool(trace.attachments or trace.out_spec.has_nodes or trace.closed.effects)
+  return bool(trace.attachments or trace.out_spec.has_nodes or trace.waits)
 
 
 @contextlib.contextmanager

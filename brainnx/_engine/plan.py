@@ -289,7 +289,7 @@ def write_results(plan: Plan, written: dict) -> None:
 
 
 def finish_packed(plan: Plan, packed: Packed):
-  if packed.trace.closed.effects:
+  if packed.trace.waits:
     # A host callback may fail while the program runs asynchronously; wait for it,
     # so that a failure raises here, before any Variable is written.
     jax.block_until_ready((packed.written, packed.new, packed.out))

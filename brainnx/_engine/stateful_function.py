@@ -373,7 +373,7 @@ class StatefulFunction:
     try:
       trace = self.trace_for(disc, call, values, call.dyn)
       outs, new, out_leaves = trace.run([values[i] for i in trace.states], jax.tree.leaves(call.dyn))
-      if trace.closed.effects:  # let a failing host callback raise before anything is written
+      if trace.waits:  # let a failing host callback raise before anything is written
         jax.block_until_ready((outs, new, out_leaves))
     except BaseException:
       disc.restore(contents)

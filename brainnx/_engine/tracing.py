@@ -33,6 +33,7 @@ from brainnx import _compat
 from brainnx._engine.arguments import CallArgs
 from brainnx._engine.call import StatefulCall, StepInfo
 from brainnx._engine.discovery import Discovery
+from brainnx._engine.host_calls import calls_host
 from brainnx._engine.outputs import OutSpec
 from brainnx._engine.state import abstract_tree, finish_call
 from brainnx._engine.structure import Attachments
@@ -80,6 +81,13 @@ class Trace:
   out_spec: OutSpec
   out_leaf_shapes: tuple  # ShapeDtypeStruct per output leaf
   cacheable: bool
+
+  @functools.cached_property
+  def waits(self) -> bool:
+    """Whether a call must wait for the program's end before writing anything back: it has
+    side effects, or a host callback that may fail (a ``jax.pure_callback`` has no effect,
+    and on an accelerator the call returns before the program fails)."""
+    return bool(self.closed.effects) or calls_host(self.closed)
 
   @property
   def new_vars(self) -> tuple:
