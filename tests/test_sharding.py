@@ -409,6 +409,19 @@ def test_flax_state_sharding_in_in_specs_lays_out_that_argument_as_nnx_shard_map
   assert ours_model.layers[0].kernel[...].sharding.spec == P(None, 'd')
 
 
+def test_one_state_sharding_for_every_argument_lays_out_a_lone_model_as_flax():
+  mesh = _typed_mesh(AxisType.Auto)
+  sharding = nnx.StateSharding({_first_kernel: P(None, 'd'), ...: P()})
+  total = lambda m: jax.lax.psum((m.layers[0].kernel[...] ** 2).sum(), 'd')  # noqa: E731
+  ours_model, theirs_model = _model(), _model()
+  ours = bnx.shard_map(total, mesh=mesh, in_specs=sharding, out_specs=P())(ours_model)
+  theirs = nnx.shard_map(total, mesh=mesh, in_specs=(sharding,), out_specs=P())(theirs_model)
+  np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+  assert ours_model.layers[0].kernel[...].sharding.spec == P(None, 'd')
+  a, b = ours_model.layers[0].kernel[...], theirs_model.layers[0].kernel[...]
+  assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+
+
 def test_a_state_sharding_matching_no_entry_or_given_to_an_array_is_named():
   mesh = _typed_mesh(AxisType.Auto)
   model = _model()
@@ -419,6 +432,8 @@ def test_a_state_sharding_matching_no_entry_or_given_to_an_array_is_named():
     bnx.shard_map(forward, mesh=mesh, in_specs=(only_first, P()), out_specs=P(None, 'd'))(model, jnp.ones((2, 4)))
   with pytest.raises(ValueError, match=r'in_specs\[1\] is an nnx.StateSharding.*not a graph node: give it a PartitionSpec'):
     bnx.shard_map(forward, mesh=mesh, in_specs=(None, only_first), out_specs=P(None, 'd'))(model, jnp.ones((2, 4)))
+  with pytest.raises(ValueError, match=r'in_specs\[1\] is an nnx.StateSharding.*not a graph node'):  # one for all
+    bnx.shard_map(forward, mesh=mesh, in_specs=only_first, out_specs=P(None, 'd'))(model, jnp.ones((2, 4)))
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, nnx.state(model)), before)
 
 

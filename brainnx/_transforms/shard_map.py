@@ -154,9 +154,11 @@ def _flax_specs(specs):
 def _node_shardings(in_specs, arguments: CallArgs) -> tuple[Any, dict]:
   """``in_specs`` with each ``nnx.StateSharding`` entry replaced by ``None``, and the
   ``{argument position: StateSharding}`` that lays out that graph node's Variables."""
+  positional = [s for s in range(arguments.n_args) if arguments.kinds[s] is not ArgKind.STATIC]
+  if isinstance(in_specs, nnx.StateSharding):  # one entry for every argument, as a prefix
+    in_specs = (in_specs,) * len(positional)
   if not isinstance(in_specs, tuple) or not any(isinstance(s, nnx.StateSharding) for s in in_specs):
     return in_specs, {}
-  positional = [s for s in range(arguments.n_args) if arguments.kinds[s] is not ArgKind.STATIC]
   if len(in_specs) != len(positional):
     return in_specs, {}  # arg_specs names the length
   by_slot = {}
