@@ -639,8 +639,34 @@ def _fault(x):
     raise FAULT['raise']
 
 
+def _warm_world_call(name, host):
+  """A warm ``make(name, f)`` whose ``f`` runs ``host(x)`` (a host callback) and then writes the
+  world and a Variable; returns the call and a check that everything holds what it held before."""
+  world = World()
+  written = nnx.Variable(jnp.zeros(()))
+
+  def f(x):
+    y = host(x)
+    world.count[...] += 1
+    written[...] = written[...] + 1.0
+    return y * world.model.kernel[...].sum() + world.rngs.uniform((3,))
+
+  g = make(name, f)
+  jax.block_until_ready(g(X))  # traced and compiled; the next call is warm
+  before, shape, kept = _state_of(world), world.structure(), np.asarray(written[...])
+
+  def unchanged():
+    assert world.structure() == shape
+    _assert_same(before, _state_of(world))
+    np.testing.assert_array_equal(np.asarray(written[...]), kept)
+
+  return g, unchanged
+
+
 def _host_double(x):
-  return np.asarray(x) * 2
+  x = jax.lax.stop_gradient(x)  # a callback has no derivative; a constant needs none
+  double = lambda a: np.asarray(a) * 2  # noqa: E731
+  return jax.pure_callback(double, jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), x, vmap_method='sequential')
 
 
 @pytest.mark.parametrize('name', RUNS)
@@ -649,19 +675,7 @@ def test_a_host_callback_failing_after_the_call_returned_writes_nothing(name, mo
   ``jax.pure_callback`` (which has no effect to order) surfaces only when the results are
   waited for. The CPU runs such a program to its end inside the call, so the wait is made to
   raise here, as an accelerator's would: nothing may have been written by then."""
-  world = World()
-  written = nnx.Variable(jnp.zeros(()))
-
-  def f(x):
-    x = jax.lax.stop_gradient(x)  # a callback has no derivative; a constant needs none
-    y = jax.pure_callback(_host_double, jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), x, vmap_method='sequential')
-    world.count[...] += 1
-    written[...] = written[...] + 1.0
-    return y * world.model.kernel[...].sum() + world.rngs.uniform((3,))
-
-  g = make(name, f)
-  jax.block_until_ready(g(X))  # traced and compiled; the next call is warm
-  before, shape, kept = _state_of(world), world.structure(), np.asarray(written[...])
+  g, unchanged = _warm_world_call(name, _host_double)
   wait = jax.block_until_ready
 
   def failing_wait(x):
@@ -671,9 +685,7 @@ def test_a_host_callback_failing_after_the_call_returned_writes_nothing(name, mo
   monkeypatch.setattr(jax, 'block_until_ready', failing_wait)
   with pytest.raises(Boom, match='host callback failed'):
     jax.block_until_ready(g(X))
-  assert world.structure() == shape
-  _assert_same(before, _state_of(world))
-  np.testing.assert_array_equal(np.asarray(written[...]), kept)
+  unchanged()
 
 
 @pytest.mark.parametrize('fault', ['error', 'ctrl-c'])
@@ -681,18 +693,7 @@ def test_a_host_callback_failing_after_the_call_returned_writes_nothing(name, mo
 def test_warm_run_time_error_rolls_back(name, fault, caplog):
   """A compiled call stopped while it runs (a host callback raising, or a Ctrl-C landing in one)
   writes nothing; a Ctrl-C comes out as ``KeyboardInterrupt`` and JAX logs no failed callback."""
-  world = World()
-  written = nnx.Variable(jnp.zeros(()))
-
-  def f(x):
-    jax.debug.callback(_fault, x)
-    world.count[...] += 1
-    written[...] = written[...] + 1.0
-    return x * world.model.kernel[...].sum() + world.rngs.uniform((3,))
-
-  g = make(name, f)
-  jax.block_until_ready(g(X))  # traced and compiled; the next call is warm
-  before, shape, kept = _state_of(world), world.structure(), np.asarray(written[...])
+  g, unchanged = _warm_world_call(name, lambda x: (jax.debug.callback(_fault, x), x)[1])
   FAULT['raise'] = Boom('at run time') if fault == 'error' else KeyboardInterrupt()
   if fault == 'error':
     expected = pytest.raises(Exception, match='at run time')
@@ -706,9 +707,7 @@ def test_warm_run_time_error_rolls_back(name, fault, caplog):
     FAULT['raise'] = None
   if fault == 'ctrl-c':
     assert not [r for r in caplog.records if r.name.startswith('jax')], caplog.text
-  assert world.structure() == shape
-  _assert_same(before, _state_of(world))
-  np.testing.assert_array_equal(np.asarray(written[...]), kept)
+  unchanged()
   jax.block_until_ready(g(X))  # and the next call works
 
 
