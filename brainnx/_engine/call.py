@@ -202,6 +202,8 @@ class StatefulCall:
     ``new_values`` are those of the Variables the call attaches (:meth:`output` builds them)."""
     info = self.info.get()
     indices = info.written if indices is None else tuple(indices)
+    if _compat.at_top_level():  # computed op by op (vjp, disable_jit): on an accelerator a value
+      jax.block_until_ready((written_values, new_values))  # a failed host callback made raises here
     write_values(self.disc, indices, list(written_values))
     self.new_values = list(new_values)
 

@@ -29,7 +29,6 @@ from brainnx._engine.arguments import ArgKind, CallArgs, check_argnums, resolve_
 from brainnx._engine.call import StatefulCall
 from brainnx._engine.nodes import is_graph_node
 from brainnx._engine.config import Config
-from brainnx import _compat
 from brainnx._engine.eager import call, eager, program
 from brainnx._engine.errors import check_callable
 from brainnx._engine.state import read_values
@@ -437,8 +436,6 @@ def vjp(fun: Callable, *primals, grad_states: Any = None, argnums: int | Sequenc
   pure, target_vals, arg_vals, stateful, pack = _pure_call(config, fun, primals, {}, nums)
   with stateful.rolling_back():
     value, pull, (_, out_leaves, written_vals) = jax.vjp(pure, target_vals, arg_vals, has_aux=True)
-    if _compat.at_top_level():  # run op by op: a host callback failing on an accelerator
-      jax.block_until_ready((value, out_leaves, written_vals))  # raises here, before any write
     stateful.write_back(written_vals)
     aux = aux_of(stateful, out_leaves, has_aux)
 
