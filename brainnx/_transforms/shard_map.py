@@ -137,7 +137,7 @@ def _lay_out_read(f, args, kwargs, mesh, in_specs, state_in: Rules) -> None:
   if mesh.empty or not isinstance(mesh, jax.sharding.Mesh):
     return  # the call itself says what is missing
   disc = discover(f, tuple(args), kwargs)
-  _, by_slot = _node_shardings(in_specs, CallArgs.split(args, kwargs))
+  by_slot = _node_shardings(in_specs, CallArgs.split(args, kwargs))[1] if _names_nodes(in_specs) else {}
   specs = _state_specs(disc, state_in, by_slot)
   for i, spec in enumerate(specs):
     check_divides(disc, i, spec, dict(mesh.shape), 'shard_map: state_in_specs')
@@ -151,14 +151,20 @@ def _flax_specs(specs):
   return nnx.StateSharding(specs) if isinstance(specs, nnx.State) else specs
 
 
+def _names_nodes(in_specs) -> bool:
+  """Whether ``in_specs`` holds an ``nnx.StateSharding`` (is one, or has one as an entry)."""
+  entries = in_specs if isinstance(in_specs, tuple) else (in_specs,)
+  return any(isinstance(s, nnx.StateSharding) for s in entries)
+
+
 def _node_shardings(in_specs, arguments: CallArgs) -> tuple[Any, dict]:
   """``in_specs`` with each ``nnx.StateSharding`` entry replaced by ``None``, and the
   ``{argument position: StateSharding}`` that lays out that graph node's Variables."""
+  if not _names_nodes(in_specs):
+    return in_specs, {}
   positional = [s for s in range(arguments.n_args) if arguments.kinds[s] is not ArgKind.STATIC]
   if isinstance(in_specs, nnx.StateSharding):  # one entry for every argument, as a prefix
     in_specs = (in_specs,) * len(positional)
-  if not isinstance(in_specs, tuple) or not any(isinstance(s, nnx.StateSharding) for s in in_specs):
-    return in_specs, {}
   if len(in_specs) != len(positional):
     return in_specs, {}  # arg_specs names the length
   by_slot = {}
