@@ -233,3 +233,14 @@ def test_the_arity_check_refuses_exactly_what_python_cannot_call(name):
   else:
     with pytest.raises(TypeError, match=r'scan calls its function as f\(carry, x\), 2 positional argument\(s\)'):
       bnx.scan(f, jnp.zeros(()), jnp.ones(2))
+
+
+def test_a_module_given_as_the_for_loop_body_is_explained_and_its_arguments_are_not_taken_for_a_list():
+  model = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+  xs = jnp.ones((2, 3))
+  with pytest.raises(TypeError, match=r'model\(\*x\)') as e:  # two positional arguments: f(x_row, x_row)
+    bnx.for_loop(model, xs, xs)
+  notes = [n for n in e.value.__notes__ if n.startswith('brainnx:')]
+  assert len(notes) == 1 and 'bnx.for_loop(lambda x: model(x), xs)' in notes[0]
+  # the wrap it names runs, and equals a Python loop over the rows (the oracle)
+  np.testing.assert_allclose(np.asarray(bnx.for_loop(lambda x: model(x), xs)), np.stack([model(r) for r in xs]), rtol=1e-6)

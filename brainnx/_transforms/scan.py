@@ -82,9 +82,16 @@ def _takes_positional(f, n: int) -> bool:
   return takes - len(f.__defaults__ or ()) <= n and (n <= takes or bool(code.co_flags & inspect.CO_VARARGS))
 
 
-def check_loop_callable(f, name: str, n_args: int | None = None, called: str = 'f(carry, x)') -> None:
+def _model_wrap(name: str) -> tuple[str, str]:
+  """How loop ``name`` calls its function, and the wrap that runs a model at every step."""
+  if 'scan' in name:
+    return 'f(carry, x)', 'bnx.scan(lambda carry, x: (model(carry), None), init, xs)'
+  return 'f(*x), one slice of each of xs', f'bnx.{name}(lambda x: model(x), xs)'
+
+
+def check_loop_callable(f, name: str, n_args: int | None = None) -> None:
   """A loop's function is callable (``jax.lax.scan``'s words), no generator, and (``n_args``
-  given) takes that many positional arguments, as the loop calls it (``called``)."""
+  given) takes that many positional arguments, as the loop calls it."""
   if not callable(f):
     raise TypeError(f'{name}: f argument should be a callable, got {type(f).__name__}')
   check_callable(f, name)
@@ -98,10 +105,10 @@ def check_loop_callable(f, name: str, n_args: int | None = None, called: str = '
     signature.bind(*([None] * n_args))
   except TypeError:
     what = f'the {type(f).__name__} Module' if isinstance(f, nnx.Module) else getattr(f, '__name__', type(f).__name__)
+    called, wrap = _model_wrap(name)
     raise TypeError(
       f'{name} calls its function as {called}, {n_args} positional argument(s), but {what} takes '
-      f'{signature}. To run a model at every step, wrap it: '
-      + ('lambda carry, x: (model(carry), None)' if called == 'f(carry, x)' else 'lambda *x: model(*x)')
+      f'{signature}. To run a model at every step, wrap it: {wrap}'
     ) from None
 
 
@@ -151,8 +158,6 @@ def note_list_of_arrays(error: BaseException, xs) -> None:
   array), which is rarely what was meant."""
   if not isinstance(error, (TypeError, AttributeError)):
     return
-  if isinstance(xs, tuple) and len(xs) == 1 and isinstance(xs[0], (list, tuple)):
-    xs = xs[0]  # for_loop's one positional argument
   if not isinstance(xs, (list, tuple)) or len(xs) < 2:
     return
   if all(hasattr(x, 'shape') for x in xs) and len({jnp.shape(x) for x in xs}) == 1:
@@ -167,12 +172,11 @@ def note_module_body(error: BaseException, f, name: str) -> None:
   """A Module given as the body failed: say how the loop called it, and how to run a model per step."""
   if not isinstance(f, nnx.Module) or not isinstance(error, (TypeError, ValueError)):
     return
-  scans = 'scan' in name
-  called, wrap = ('model(carry, x)', 'lambda carry, x: (model(carry), None), init, xs') if scans else (
-    'model(*x), one slice of each of xs', 'lambda x: model(x), xs')
+  called, wrap = _model_wrap(name)
   error.add_note(
-    f'brainnx: {name} called the {type(f).__name__} Module given as its function as {called}; its '
-    f'__call__ is {inspect.signature(f)}. To run a model at every step, wrap it: bnx.{name}({wrap})'
+    f'brainnx: {name} called the {type(f).__name__} Module given as its function as '
+    f'{called.replace("f(", "model(", 1)}; its __call__ is {inspect.signature(f)}. To run a model '
+    f'at every step, wrap it: {wrap}'
   )
 
 
@@ -322,8 +326,9 @@ def run_scan(config: ScanConfig, f: Callable, bar, init, xs):
   try:
     body, n_carry, state = scan_parts(f, init, xs, name, config.rules, config.keep_new)
   except Exception as e:
-    note_list_of_arrays(e, xs)
-    note_module_body(e, f, name)
+    user_f = getattr(f, 'for_body_of', None)  # for_loop, map: f(*x) over their positional arguments
+    note_list_of_arrays(e, xs if user_f is None else xs[0] if len(xs) == 1 else ())
+    note_module_body(e, f if user_f is None else user_f, name)
     if layers_check and not isinstance(e, BatchAxisError):
       layer_checks.explain_failure(discover(f, (init, step_example(xs)), {}), n, config.rules, e, name)
     raise
@@ -376,7 +381,7 @@ def for_body(f):
   def step(carry, x):
     return carry, f(*x)
 
-  step.__wrapped__ = f
+  step.__wrapped__ = step.for_body_of = f
   return step
 
 
@@ -421,7 +426,7 @@ def for_loop(
     >>> bnx.for_loop(lambda a, b: a * b, jnp.arange(3), jnp.arange(3)).tolist()
     [0, 1, 4]
   """
-  check_loop_callable(f, 'for_loop', len(xs), 'f(*x), one slice of each of xs')
+  check_loop_callable(f, 'for_loop', len(xs))
   bar, rest = split_pbar(pbar)
   config = ScanConfig(name='for_loop', length=length, reverse=reverse, unroll=unroll, pbar=rest,
                       state_in_axes=rules_key(state_in_axes, 'for_loop'))
