@@ -4,7 +4,7 @@ For each transform family, a representative program is lowered and compiled twic
 brainnx (Variables found by tracing, written back) and as pure JAX on ``nnx.split`` state (the
 transform's ``jax``/``jax.lax`` counterpart, donating what it overwrites where brainnx's call
 donates). The table holds XLA's ``cost_analysis()`` (flops, bytes accessed) and the compiled
-HLO's counts of fusions, while loops, conditionals, custom-calls and copies; brainnx's must be at
+HLO's counts of fusions, while loops, conditionals, custom-calls, sends and copies; brainnx's must be at
 most the pure program's (``tests/test_program_cost.py`` holds every program to it on CPU). Where
 a difference is inherent, the program's note names it and the row compares against the expert's
 program that does the same thing (a progress bar: its host callbacks).
@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import brainnx as bnx
 from _models import MLP
 
-COUNTED = ('fusion', 'while', 'conditional', 'custom-call', 'copy')
+# a host callback is a custom-call on CPU and GPU and sends to the host (one per operand) on a TPU
+COUNTED = ('fusion', 'while', 'conditional', 'custom-call', 'send', 'copy')
 
 
 @dataclasses.dataclass

@@ -16,13 +16,12 @@ The models and variants are those of ``overhead.py`` (an MLP of Linear(W, W)
 layers, ReLU between; here W=8, batch 4, so that dispatch, not arithmetic,
 sets the time) and ``ensemble_train.py`` (the demo's MLP at H=16, 32 points,
 optax.adam, one optimizer per member). Every row computes the same thing from
-the same arrays. Warm times are the minimum over interleaved rounds (each
+the same arrays. Warm times are the median over interleaved rounds (each
 round ~10 ms of back-to-back calls of one variant at one size; all variants
-at all sizes take their turn in every round, so each minimum is taken over
-the whole part's span); first calls the minimum over fresh functions (trial
-by trial, every size and variant in turn); import times the minimum over
-fresh interpreters. The minimum is what a busy, shared 2-core machine
-disturbs least.
+at all sizes take their turn in every round, so each median is taken over
+the whole part's span); first calls the median over fresh functions (trial
+by trial, every size and variant in turn); import times the median over
+fresh interpreters. The median is the statistic of every other table here.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ import datetime
 import os
 import platform
 import subprocess
+import statistics
 import sys
 import tempfile
 import time
@@ -104,6 +104,11 @@ def growth(rows: dict[int, dict[str, float]], name: str, base: str) -> float:
 # -- the four parts -------------------------------------------------------------------
 
 
+def _medians(timed: dict) -> dict:
+  """``best_of``'s results as their medians (the statistic of every table)."""
+  return {key: t.median for key, t in timed.items()}
+
+
 def _regroup(flat: dict, keys) -> dict:
   """``{(key, name): value}`` -> ``{key: {name: value}}``, keys and names in their order."""
   rows = {key: {} for key in keys}
@@ -113,13 +118,13 @@ def _regroup(flat: dict, keys) -> dict:
 
 
 def warm_overhead(depths, rounds, round_ms):
-  """Every (depth, variant) pair takes its turn in every round: each depth's minimum is taken over
+  """Every (depth, variant) pair takes its turn in every round: each depth's median is taken over
   the whole part's span, not over the few seconds a depth alone would take."""
   flat = {}
   for depth in depths:
     variants = overhead.variants(depth, WIDTH, BATCH, cached_partial=False)
     flat.update({(depth, n): variants[n] for n in FORWARD if n in variants})
-  rows = _regroup(best_of(flat, rounds=rounds, round_ms=round_ms), depths)
+  rows = _regroup(_medians(best_of(flat, rounds=rounds, round_ms=round_ms)), depths)
   for depth, row in rows.items():
     print(f'  warm, {depth} layers: ' + ', '.join(f'{n} {t:.1f} us' for n, t in row.items()), flush=True)
   return rows
@@ -131,7 +136,7 @@ def ensemble(members_list, rounds, round_ms):
   for members in members_list:
     variants = ensemble_train.variants(hidden, points, members)
     flat.update({(members, n): variants[n] for n in ENSEMBLE if n in variants})
-  rows = _regroup(best_of(flat, rounds=rounds, round_ms=round_ms), members_list)
+  rows = _regroup(_medians(best_of(flat, rounds=rounds, round_ms=round_ms)), members_list)
   for members, row in rows.items():
     print(f'  ensemble, {members} members: ' + ', '.join(f'{n} {t:.1f} us' for n, t in row.items()), flush=True)
   return rows
@@ -143,7 +148,7 @@ def first_call(depths, trials):
   for depth in depths:
     makers = overhead.first_call_makers(depth, WIDTH, BATCH)
     flat.update({(depth, n): makers[n] for n in FORWARD if n in makers})
-  rows = _regroup(first_calls(flat, trials=trials, reduce=min), depths)
+  rows = _regroup(first_calls(flat, trials=trials, reduce=statistics.median), depths)
   for depth, row in rows.items():
     print(f'  first call, {depth} layers: ' + ', '.join(f'{n} {t:.0f} ms' for n, t in row.items()), flush=True)
   return rows
@@ -153,7 +158,7 @@ IMPORTS = {'import flax.nnx': 'flax.nnx', 'import brainnx': 'brainnx', 'import j
 
 
 def import_times(repeats):
-  """Per module: (min import time inside the fresh interpreter, min wall time of the whole process), ms."""
+  """Per module: (median import time inside the fresh interpreter, median wall time of the whole process), ms."""
   code = 'import time; t = time.perf_counter(); import {}; print(time.perf_counter() - t)'
   inner: dict[str, list[float]] = {n: [] for n in IMPORTS}
   wall: dict[str, list[float]] = {n: [] for n in IMPORTS}
@@ -163,7 +168,7 @@ def import_times(repeats):
       out = subprocess.run([sys.executable, '-c', code.format(module)], capture_output=True, text=True, check=True)
       wall[name].append((time.perf_counter() - t0) * 1e3)
       inner[name].append(float(out.stdout.strip()) * 1e3)
-  return {n: (min(inner[n]), min(wall[n])) for n in IMPORTS}
+  return {n: (statistics.median(inner[n]), statistics.median(wall[n])) for n in IMPORTS}
 
 
 # -- output ---------------------------------------------------------------------------
@@ -211,7 +216,7 @@ def plot(path: Path, warm, ens, first) -> str:
     for ax in (top, bottom):
       ax.grid(True, which='both', alpha=0.25)
     top.legend(fontsize=8)
-  fig.suptitle(f'brainnx scaling (min over interleaved repeats) — {header()}', fontsize=9)
+  fig.suptitle(f'brainnx scaling (median over interleaved repeats) — {header()}', fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -243,7 +248,7 @@ def main(argv=None) -> None:
     text = markdown(
       'Warm call vs depth',
       f'MLP of Linear({WIDTH}, {WIDTH}) layers, ReLU between, batch {BATCH}; two Variables per layer. Per-call '
-      f'time, µs: minimum over {rounds} interleaved rounds of ~{round_ms:g} ms each; in brackets the ratio to raw '
+      f'time, µs: median over {rounds} interleaved rounds of ~{round_ms:g} ms each; in brackets the ratio to raw '
       '`jax.jit` on pure pytrees. Last row: growth of (variant − raw) per extra layer, a least-squares fit over the depths '
       f'≥ 10. {source}',
       'layers', warm, 'µs', '.1f', {'extra per layer (fit)': per_layer},
@@ -255,7 +260,7 @@ def main(argv=None) -> None:
     text = markdown(
       'Ensemble adam step vs members',
       f'The demo MLP 1 -> {hidden} -> {hidden} -> 1 (tanh), {points} training points shared, optax.adam(1e-3), '
-      f'one optimizer per member, vmapped over the members and jitted. Per-step time, µs: minimum over {rounds} '
+      f'one optimizer per member, vmapped over the members and jitted. Per-step time, µs: median over {rounds} '
       f'interleaved rounds of ~{round_ms:g} ms each; in brackets the ratio to raw `jax.jit(jax.vmap)`. {source}',
       'members', ens, 'µs', '.1f',
     )
@@ -265,7 +270,7 @@ def main(argv=None) -> None:
     text = markdown(
       'First call vs depth',
       f'The warm-call model; a fresh model and a fresh function per trial, so each trial traces and compiles anew. '
-      f'Milliseconds: minimum over {trials} trials; in brackets the ratio to raw `jax.jit`. {source}',
+      f'Milliseconds: median over {trials} trials; in brackets the ratio to raw `jax.jit`. {source}',
       'layers', first, 'ms', '.0f',
     )
     written.append(('scaling_first_call.md', text))
@@ -275,7 +280,7 @@ def main(argv=None) -> None:
     lines = [
       '## Import time', '',
       (
-        f'`python -c "import X"` in a fresh interpreter, minimum over {repeats} interleaved runs: the import '
+        f'`python -c "import X"` in a fresh interpreter, median over {repeats} interleaved runs: the import '
         f'alone (timed inside the process) and the whole process (interpreter start included). {source}'
       ),
       '',

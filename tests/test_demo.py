@@ -220,6 +220,9 @@ def test_ctrl_c_of_the_command_is_one_clean_message(tmp_path):
     [sys.executable, '-m', 'brainnx.demo', '--members', '2', '--steps', '100000', '--checkpoint-every', '1',
      '--no-plot', '--checkpoint-dir', str(tmp_path / 'ck')],
     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path,
+    # Ctrl-C as a terminal delivers it, even where this process was started in the background
+    # by a shell, which ignores SIGINT there and in every process started from it
+    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
   )
   try:
     for line in proc.stdout:

@@ -27,6 +27,11 @@ def step(model, opt, x):
 
 
 def test_donated_step_aliases_like_the_pure_step_and_gives_the_same_values():
+  """``donate_states=True`` aliases what the pure step donating its state aliases, ``nnx.Param``
+  what donating only the Params does; the default donates nothing on CPU and, on an accelerator,
+  what ``True`` donates. Values as the pure step's."""
+  from brainnx._engine import jitted
+
   results = {}
   for donate in (None, True, nnx.Param):
     model, opt = make()
@@ -46,8 +51,8 @@ def test_donated_step_aliases_like_the_pure_step_and_gives_the_same_values():
 
   pure_step = jax.jit(pure, donate_argnums=0)
   pure_alias = pure_step.lower(state, X).compile().memory_analysis().alias_size_in_bytes
-  assert results[None][0] == 0
   assert results[True][0] == pure_alias > 0
+  assert results[None][0] == (pure_alias if jax.default_backend() in jitted.DONATE_BY_DEFAULT else 0)
   params, rest = nnx.state((model, opt), nnx.Param, ...)
 
   def pure_params(params, rest, x):  # the same step donating only the Params

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 import brainnx as bnx
-from helpers import MLP, Compiles, assert_same_tree, assert_same_values, concrete, linear, mlp_params, mlp_pure, no_tracers, run_in_threads, values_of
+from helpers import MLP, Compiles, assert_program_equal, assert_same_tree, assert_same_values, concrete, linear, mlp_params, mlp_pure, no_tracers, run_in_threads, values_of
 
 X = jax.random.normal(jax.random.key(0), (4, 3))
 
@@ -258,7 +258,9 @@ def test_variables_created_inside_hold_concrete_arrays():
   made = bnx.jit(lambda: MLP(3, 4, 2, rngs=nnx.Rngs(0)))()
   ref = MLP(3, 4, 2, rngs=nnx.Rngs(0))
   assert no_tracers(made)
-  np.testing.assert_allclose(made(X), ref(X), rtol=1e-6)
+  for got, want in zip(jax.tree.leaves(mlp_params(made)), jax.tree.leaves(mlp_params(ref)), strict=True):
+    assert_program_equal(got, want)  # the same draws, made compiled and eagerly
+  np.testing.assert_allclose(made(X), mlp_pure(mlp_params(made), X), rtol=1e-6)
 
 
 def test_returned_input_node_is_the_same_object():

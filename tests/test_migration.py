@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import brainnx as bnx
-from helpers import SideBySidePage, assert_same_values, values_of
+from helpers import SideBySidePage, assert_oracle_close, assert_same_values, values_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGE = (ROOT / 'docs' / 'migration.md').read_text()
@@ -109,7 +109,7 @@ def test_scan_over_layers():
   h = np.ones(3)
   for i in range(4):  # a Python loop over the layers
     h = np.tanh(h @ np.asarray(ours['stack'].kernel[i]) + np.asarray(ours['stack'].bias[i]))
-  np.testing.assert_allclose(ours['h'], h, rtol=1e-5)
+  assert_oracle_close(ours['h'], h)
 
 
 def test_broadcast_stream_brainnx_side():  # at every pinned flax: flax 0.12.4 has no nnx.with_rngs

@@ -1,7 +1,10 @@
 """ProgressBar: one bar per execution, ending at exactly n/n, results unchanged."""
 
 import io
+import os
 import re
+import signal
+import threading
 import types
 
 import jax
@@ -167,8 +170,10 @@ def test_progress_bar_keywords_and_sizes_are_checked_early():
 
 
 def test_ctrl_c_while_the_bar_draws_is_a_keyboard_interrupt(monkeypatch, caplog):
-  """A Ctrl-C landing in tqdm (the bar's host callback) stops the loop, leaves the Variable as it
-  was and comes out of the brainnx call as ``KeyboardInterrupt``, with no callback failure logged."""
+  """A Ctrl-C landing in tqdm (the bar's host callback) stops a loop that donates nothing, leaves
+  the Variable as it was and comes out of the brainnx call as ``KeyboardInterrupt``, with no
+  callback failure logged. (On an accelerator ``jit`` donates by default: a donating call waits,
+  see the test after the next.)"""
   import tqdm
 
   total = nnx.Variable(jnp.zeros(()))
@@ -178,7 +183,7 @@ def test_ctrl_c_while_the_bar_draws_is_a_keyboard_interrupt(monkeypatch, caplog)
     return x
 
   pbar, _ = bar(freq=1)
-  run = bnx.jit(lambda xs: bnx.for_loop(add, xs, pbar=pbar))
+  run = bnx.jit(lambda xs: bnx.for_loop(add, xs, pbar=pbar), donate_states=False)
   xs = jnp.arange(1.0, 6.0)
   run(xs)
   np.testing.assert_allclose(total[...], xs.sum())  # oracle: the plain sum
@@ -230,7 +235,9 @@ def test_chunked_loop_equals_lax_scan_and_the_bar_ends_full(n, freq, reverse):
 
 
 def _host_calls(fn, *args) -> int:
-  return len(re.findall(r' custom-call\(', jax.jit(fn).lower(*args).compile().as_text()))
+  """The host transfers in ``fn``'s compiled program: a callback is a custom-call on CPU and GPU,
+  sends to the host (one or more a callback) on a TPU."""
+  return len(re.findall(r' (custom-call|send)\(', jax.jit(fn).lower(*args).compile().as_text()))
 
 
 def test_a_disabled_bar_compiles_no_host_call(monkeypatch):
@@ -238,14 +245,17 @@ def test_a_disabled_bar_compiles_no_host_call(monkeypatch):
   one without a bar (no callback, no chunked loop). In a job of several processes every process
   compiles the same program, so there the disabled bar keeps its callbacks and draws nothing."""
   xs = jnp.arange(12.0)
-  plain = jax.jit(lambda xs: bnx.for_loop(lambda x: x * 2, xs)).lower(xs).compile().as_text()
-  assert _host_calls(lambda xs: bnx.for_loop(lambda x: x * 2, xs, pbar=bnx.ProgressBar(freq=2)), xs) == 2
+  loop = lambda pbar, k=2: lambda xs: bnx.for_loop(lambda x: x * k, xs, pbar=pbar)  # noqa: E731
+  plain = jax.jit(loop(None)).lower(xs).compile().as_text()
+  enabled = _host_calls(loop(bnx.ProgressBar(freq=2)), xs)
+  assert enabled > _host_calls(loop(None), xs)  # the count sees the bar's callbacks
   disabled = bnx.ProgressBar(freq=2, disable=True)
-  off = jax.jit(lambda xs: bnx.for_loop(lambda x: x * 2, xs, pbar=disabled)).lower(xs).compile().as_text()
-  assert ' custom-call(' not in off and off.count(' while(') == plain.count(' while(')
+  off = jax.jit(loop(disabled)).lower(xs).compile().as_text()
+  assert _host_calls(loop(disabled), xs) == _host_calls(loop(None), xs)
+  assert off.count(' while(') == plain.count(' while(')
   monkeypatch.setattr(jax, 'process_count', lambda *a, **k: 2)
   pbar, out = bar(freq=2, disable=True)
-  assert _host_calls(lambda xs: bnx.for_loop(lambda x: x * 3, xs, pbar=pbar), xs) == 2
+  assert _host_calls(loop(pbar, 3), xs) == enabled
   np.testing.assert_array_equal(bnx.for_loop(lambda x: x * 3, xs, pbar=pbar), xs * 3)
   assert out.getvalue() == ''
 
@@ -283,6 +293,92 @@ def test_a_bar_keeps_donation_and_a_ctrl_c_waits_for_the_results(monkeypatch):
   monkeypatch.setattr(tqdm.tqdm, 'update', real_update)
   run(xs)  # nothing pending is left behind
   np.testing.assert_array_equal(w[...], jax.lax.scan(lambda c, x: (c * 2 + x, None), oracle, xs)[0])
+
+
+@pytest.mark.skipif(signal.getsignal(signal.SIGINT) is not signal.default_int_handler,
+                    reason='this process ignores Ctrl-C (a shell started it in the background): no SIGINT reaches Python')
+def test_a_real_ctrl_c_during_a_donating_call_is_held_until_the_results_are_written(monkeypatch):
+  """A Ctrl-C is a SIGINT, which Python handles in the main thread: inside the bar's callback on
+  CPU, after the wait for the program on an accelerator (whose runtime threads run the callbacks).
+  Either way a donating call holds it back, writes the whole loop's results, then raises it, and
+  Python's own handler is back afterwards."""
+  import tqdm
+
+  w = nnx.Param(jnp.ones(3))
+  pbar, _ = bar(freq=1)
+  run = bnx.jit(lambda xs: bnx.for_loop(lambda x: w.set_value(w[...] * 2 + x), xs, pbar=pbar), donate_states=True)
+  xs = jnp.arange(4.0)
+  loop = lambda start: jax.lax.scan(lambda c, x: (c * 2 + x, None), start, xs)[0]  # noqa: E731 - the oracle
+  run(xs)
+  oracle = loop(jnp.ones(3))
+  real_update = tqdm.tqdm.update
+  sent = []
+
+  def update_then_sigint(self, n=1):
+    if not sent:
+      sent.append(True)
+      os.kill(os.getpid(), signal.SIGINT)
+    return real_update(self, n)
+
+  monkeypatch.setattr(tqdm.tqdm, 'update', update_then_sigint)
+  with pytest.warns(RuntimeWarning, match='stops when its program ends'):
+    with pytest.raises(KeyboardInterrupt, match='^$'):
+      run(xs)
+  oracle = loop(oracle)
+  np.testing.assert_array_equal(w[...], oracle)
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  monkeypatch.setattr(tqdm.tqdm, 'update', real_update)
+  run(xs)  # nothing pending is left behind
+  np.testing.assert_array_equal(w[...], loop(oracle))
+
+
+def test_a_ctrl_c_in_a_callback_on_a_runtime_thread_is_held_back_too():
+  """An accelerator's runtime runs host callbacks on its own threads, not the caller's: a Ctrl-C
+  raised in the bar's callback there is held back for a donating program all the same."""
+  from brainnx._engine import host_calls
+
+  def draw():
+    raise KeyboardInterrupt
+
+  callback = host_calls.never_fails(draw)
+
+  def program():  # a donating program whose runtime calls the bar back on a thread of its own
+    runtime = threading.Thread(target=callback)
+    runtime.start()
+    runtime.join()
+    return jnp.zeros(())
+
+  with pytest.warns(RuntimeWarning, match='stops when its program ends'):
+    host_calls.deferring_interrupts(program)()
+  with pytest.raises(KeyboardInterrupt, match='^$'):
+    host_calls.raise_pending_interrupt()
+  host_calls.raise_pending_interrupt()  # raised once
+
+
+@pytest.mark.skipif(signal.getsignal(signal.SIGINT) is not signal.default_int_handler,
+                    reason='this process ignores Ctrl-C (a shell started it in the background): no SIGINT reaches Python')
+@pytest.mark.parametrize('presses', [1, 2])
+def test_a_ctrl_c_while_the_caller_waits_for_a_donating_program(presses):
+  """On an accelerator the main thread waits for the program and handles a Ctrl-C there, outside
+  every callback: a first one is held back until the results are written; a second one stops the
+  call. Python's own handler is back either way, and nothing is left pending."""
+  from brainnx._engine import host_calls
+
+  def program():  # the wait: the main thread handles a SIGINT between two of its bytecodes
+    for _ in range(presses):
+      os.kill(os.getpid(), signal.SIGINT)
+    return jnp.zeros(())
+
+  if presses == 1:
+    with pytest.warns(RuntimeWarning, match='stops when its program ends'):
+      host_calls.deferring_interrupts(program)()
+    with pytest.raises(KeyboardInterrupt, match='^$'):
+      host_calls.raise_pending_interrupt()
+  else:
+    with pytest.warns(RuntimeWarning, match='stops when its program ends'), pytest.raises(KeyboardInterrupt, match='^$'):
+      host_calls.deferring_interrupts(program)()
+  host_calls.raise_pending_interrupt()  # nothing pending
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_a_bounded_while_loop_that_stops_early_ends_its_bar_full():

@@ -11,7 +11,7 @@ from flax import nnx
 
 import brainnx as bnx
 from brainnx._engine.filters import Stacked
-from helpers import assert_same_values, values_of
+from helpers import assert_oracle_close, assert_same_values, values_of
 
 X = jnp.asarray(np.random.default_rng(0).normal(size=4), jnp.float32)
 
@@ -204,7 +204,7 @@ def test_scan_over_layers_without_state_in_axes_raises_and_the_fix_equals_a_loop
     bnx.scan(body, X, None, length=4)
   assert_same_values(before, values_of(stack))
   got = bnx.scan(body, X, None, state_in_axes={0: nnx.Param})[0]
-  np.testing.assert_allclose(got, _through(stack, np.asarray(X)), rtol=1e-5)
+  assert_oracle_close(got, _through(stack, np.asarray(X)))
 
 
 def test_scan_reading_the_whole_stack_without_a_shape_error_also_raises():
@@ -272,6 +272,6 @@ def test_map_never_slices_variables_so_it_does_not_check():
 def test_scan_reads_state_axes_and_refuses_carry_with_the_rewrite():
   stack = _layers()
   got = bnx.scan(lambda h, _: (jnp.tanh(stack(h)), None), X, None, state_in_axes=nnx.StateAxes({nnx.Param: 0}))[0]
-  np.testing.assert_allclose(got, _through(stack, np.asarray(X)), rtol=1e-5)
+  assert_oracle_close(got, _through(stack, np.asarray(X)))
   with pytest.raises(TypeError, match=r"StateAxes entry \{\.\.\.: nnx\.Carry\}.*state_in_axes=\{0: nnx\.Param\}"):
     bnx.scan(lambda h, _: (stack(h), None), X, None, state_in_axes=nnx.StateAxes({nnx.Param: 0, ...: nnx.Carry}))

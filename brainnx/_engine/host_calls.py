@@ -6,9 +6,11 @@ callbacks, except those made with :func:`never_fails`. Such a callback turns an 
 warning. A Ctrl-C that lands in it (on CPU the program runs callbacks in the calling thread)
 stops a program that donates nothing at once, every Variable keeping its value; in a program
 that donates (run under :func:`deferring_interrupts`) it is held back: the program runs to its
-end, its results are written back, and the call then raises ``KeyboardInterrupt``. A second
-Ctrl-C while one is held back stops the program at once (its donated Variables then hold
-deleted arrays: the user asked twice).
+end, its results are written back, and the call then raises ``KeyboardInterrupt``. On an
+accelerator the callbacks run on the runtime's threads and Python delivers a Ctrl-C to the main
+thread, which waits for the program: there a donating call holds it back the same way, with
+its own handler for the time of the wait. A second Ctrl-C while one is held back stops the call
+(its donated Variables then hold deleted arrays: the user asked twice).
 
 Example:
   >>> from brainnx._engine.host_calls import never_fails
@@ -24,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import signal
 import threading
 import warnings
 from typing import Any, Callable
@@ -33,7 +36,18 @@ import jax
 from brainnx import _compat
 
 _PENDING = threading.Event()
-_SCOPE = threading.local()
+_LOCK = threading.Lock()
+_DEFERRING = [0]  # donating programs running now: read by callbacks on any thread
+_HOLD_MESSAGE = ('brainnx: Ctrl-C: this call donates its Variables, so it stops when its program ends, '
+                 'with the results written back (press Ctrl-C again to stop it now)')
+
+
+def _hold_back() -> None:
+  """Hold a first Ctrl-C back (see the module); a second one raises."""
+  if _PENDING.is_set():
+    raise KeyboardInterrupt
+  _PENDING.set()
+  warnings.warn(_HOLD_MESSAGE, RuntimeWarning, stacklevel=2)
 
 
 def never_fails(fn: Callable, default: Any = None) -> Callable:
@@ -44,11 +58,9 @@ def never_fails(fn: Callable, default: Any = None) -> Callable:
     try:
       return fn(*args, **kwargs)
     except KeyboardInterrupt:
-      if _PENDING.is_set() or not getattr(_SCOPE, 'deferring', False):
+      if not _DEFERRING[0]:
         raise
-      _PENDING.set()
-      warnings.warn('brainnx: Ctrl-C: this call donates its Variables, so it stops when its program ends, '
-                    'with the results written back (press Ctrl-C again to stop it now)', RuntimeWarning, stacklevel=1)
+      _hold_back()
     except Exception as e:  # noqa: BLE001 - a callback's failure would abort the program
       warnings.warn(f'brainnx: a host callback failed and was skipped: {type(e).__name__}: {e}',
                     RuntimeWarning, stacklevel=1)
@@ -70,14 +82,44 @@ class deferring_interrupts:  # noqa: N801 - used as a function
     return getattr(self._compiled, name)
 
   def __call__(self, *args):
-    _SCOPE.deferring = True
+    handler = _ctrl_c_handler()
+    with _LOCK:
+      _DEFERRING[0] += 1
+    ended = False
     try:
-      return jax.block_until_ready(self._compiled(*args))
-    except BaseException:
-      _PENDING.clear()
-      raise
+      out = jax.block_until_ready(self._compiled(*args))
+      ended = True
+      return out
     finally:
-      _SCOPE.deferring = False
+      with _LOCK:
+        _DEFERRING[0] -= 1
+      if handler is not None:
+        _put_back(handler)
+      if not ended:  # the call raises: nothing is left to raise later
+        _PENDING.clear()
+
+
+def _ctrl_c_handler():
+  """Python's Ctrl-C handler, replaced by one that holds a first Ctrl-C back while a donating
+  program runs, when this is the main thread and the handler is Python's own; else ``None``."""
+  if threading.current_thread() is not threading.main_thread():
+    return None
+  handler = signal.getsignal(signal.SIGINT)
+  if handler is not signal.default_int_handler:
+    return None
+  signal.signal(signal.SIGINT, lambda signum, frame: _hold_back())
+  return handler
+
+
+def _put_back(handler) -> None:
+  """Reinstall ``handler``. ``signal.signal`` first runs ours for a Ctrl-C not handled yet: a
+  second one raises there, and the handler is reinstalled all the same."""
+  try:
+    signal.signal(signal.SIGINT, handler)
+  except KeyboardInterrupt:
+    signal.signal(signal.SIGINT, handler)
+    _PENDING.clear()
+    raise
 
 
 def raise_pending_interrupt() -> None:

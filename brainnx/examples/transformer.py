@@ -271,13 +271,14 @@ def cross_entropy(logits, targets):
 def train_step(model: GPT, opt: nnx.Optimizer, *, sharded: bool = False, donate: bool = True,
                deterministic: bool = False):
   """``step(x, y) -> loss``: one adamw step, a ``bnx.jit`` over the model and optimizer it closes
-  over; ``sharded`` lays their state out by :func:`state_rules` (call it under ``jax.set_mesh``)."""
+  over; ``sharded`` lays their state out by :func:`state_rules` (call it under ``jax.set_mesh``);
+  ``donate=False`` donates nothing, on an accelerator too."""
   def step(x, y):
     loss, grads = bnx.value_and_grad(lambda m: cross_entropy(m(x, deterministic), y), argnums=0)(model)
     opt.update(model, grads)
     return loss
 
-  return bnx.jit(step, donate_states=True if donate else None, state_shardings=state_rules() if sharded else None)
+  return bnx.jit(step, donate_states=bool(donate), state_shardings=state_rules() if sharded else None)
 
 
 def flax_train_step(*, donate: bool = True, deterministic: bool = False):

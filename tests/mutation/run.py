@@ -912,6 +912,15 @@ MUTANTS = [
          '    if any(i in self.shared or id(new) in self._index for i, new in replaced):\n      return\n',
          '',
          ('-k', 'rebinding_an_attribute', 'tests/test_conformance.py')),
+  # the TPU's find: callbacks on the runtime's threads, and a Ctrl-C handled while the caller waits
+  Mutant("a callback's Ctrl-C is held back only on the caller's thread", 'brainnx/_engine/host_calls.py',
+         '      if not _DEFERRING[0]:\n        raise\n',
+         '      if not _DEFERRING[0] or threading.current_thread() is not threading.main_thread():\n        raise\n',
+         ('-k', 'ctrl_c', 'tests/test_progress.py')),
+  Mutant('a Ctrl-C while the caller waits for a donating program is not held back', 'brainnx/_engine/host_calls.py',
+         '    handler = _ctrl_c_handler()\n',
+         '    handler = None\n',
+         ('-k', 'ctrl_c', 'tests/test_progress.py')),
 ]
 
 
