@@ -26,6 +26,8 @@ computation, so it has no warm path and keeps no write.
 
 import functools
 import io
+import os
+import signal
 import threading
 import time
 import types
@@ -686,6 +688,28 @@ def test_a_host_callback_failing_after_the_call_returned_writes_nothing(name, mo
   with pytest.raises(Boom, match='host callback failed'):
     jax.block_until_ready(g(X))
   unchanged()
+
+
+@pytest.mark.skipif(signal.getsignal(signal.SIGINT) is not signal.default_int_handler,
+                    reason='this process ignores Ctrl-C (a shell started it in the background): no SIGINT reaches Python')
+@pytest.mark.parametrize('name', RUNS)
+def test_a_ctrl_c_while_the_caller_waits_for_the_program_writes_nothing(name, monkeypatch):
+  """On an accelerator the runtime's threads run the host callbacks, and Python handles a Ctrl-C
+  in the main thread while it waits for the program: the call writes nothing and the next call
+  works. The CPU runs callbacks in the calling thread, so the wait itself sends the SIGINT here."""
+  g, unchanged = _warm_world_call(name, lambda x: (jax.debug.callback(lambda v: None, x), x)[1])
+  wait = jax.block_until_ready
+
+  def ctrl_c_during_the_wait(x):
+    monkeypatch.setattr(jax, 'block_until_ready', wait)
+    os.kill(os.getpid(), signal.SIGINT)
+    return wait(x)
+
+  monkeypatch.setattr(jax, 'block_until_ready', ctrl_c_during_the_wait)
+  with pytest.raises(KeyboardInterrupt, match='^$'):
+    jax.block_until_ready(g(X))
+  unchanged()
+  jax.block_until_ready(g(X))  # and the next call works
 
 
 @pytest.mark.parametrize('fault', ['error', 'ctrl-c'])

@@ -326,9 +326,11 @@ def run_scan(config: ScanConfig, f: Callable, bar, init, xs):
   try:
     body, n_carry, state = scan_parts(f, init, xs, name, config.rules, config.keep_new)
   except Exception as e:
-    user_f = getattr(f, 'for_body_of', None)  # for_loop, map: f(*x) over their positional arguments
-    note_list_of_arrays(e, xs if user_f is None else xs[0] if len(xs) == 1 else ())
-    note_module_body(e, f if user_f is None else user_f, name)
+    user_f, user_xs = f, xs
+    if hasattr(f, 'for_body_of'):  # for_loop, map: f(*x), xs the tuple of their positional arguments
+      user_f, user_xs = f.for_body_of, xs[0] if len(xs) == 1 else ()
+    note_list_of_arrays(e, user_xs)
+    note_module_body(e, user_f, name)
     if layers_check and not isinstance(e, BatchAxisError):
       layer_checks.explain_failure(discover(f, (init, step_example(xs)), {}), n, config.rules, e, name)
     raise
